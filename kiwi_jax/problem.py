@@ -107,7 +107,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         fwd_last_use=live.fwd_last_use, first_bwd_use=live.first_bwd_use,
         is_output=np.array([n.is_output for n in graph.nodes]), mesh_shape=mesh.shape,
         flops=np.array([graph.flops(i) for i in range(len(graph))]),
-        peak_flops=cluster.device.flops)
+        peak_flops=cluster.device.flops, op_names=tuple(n.op_name for n in graph.nodes))
     if merge:
         problem = merge_followers(problem)
     return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported)

@@ -1,0 +1,17 @@
+"""Solvers for the joint sharding + rematerialisation problem (numpy, scipy and the MILP
+backends only: this package never imports jax)."""
+
+from solvers.backend import BACKENDS, DEFAULT_BACKEND
+from solvers.problem import PHASES, ShardingProblem
+from solvers.reuse import layer_ties
+from solvers.simulator import SimResult, reduced_schedule, simulate
+from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
+                              SolverUnavailableError, Status)
+from solvers.solve import SOLVERS, min_feasible_budget, solve
+
+__all__ = [
+    "BACKENDS", "DEFAULT_BACKEND", "PHASES", "ShardingProblem", "layer_ties", "SimResult",
+    "reduced_schedule", "simulate", "InfeasibleBudgetError", "Solution", "SolverError",
+    "SolverTimeoutError", "SolverUnavailableError", "Status", "SOLVERS", "min_feasible_budget",
+    "solve",
+]

@@ -65,6 +65,9 @@ class ShardingProblem:
     merged)."""
     follow: tuple[np.ndarray, ...] = None
     """Per node: for each strategy of its leader, the strategy this node takes."""
+    op_names: tuple[str, ...] = ()
+    """Per node, the JAX op_name path (name scopes such as ``layer_0/attention_core``); used by
+    scope-based heuristics. Empty when unknown."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -149,6 +152,7 @@ class ShardingProblem:
             fwd_last_use=self.fwd_last_use, first_bwd_use=self.first_bwd_use,
             is_output=self.is_output, mesh_shape=np.array(self.mesh_shape), flops=self.flops,
             peak_flops=np.array(self.peak_flops), leader=self.leader,
+            op_names=np.array(self.op_names, dtype=str),
             strategy_names=np.array(["\n".join(s) for s in self.strategy_names]), **arrays)
 
     @classmethod
@@ -168,4 +172,5 @@ class ShardingProblem:
                 first_bwd_use=data["first_bwd_use"], is_output=data["is_output"],
                 mesh_shape=tuple(int(v) for v in data["mesh_shape"]), flops=data["flops"],
                 peak_flops=float(data["peak_flops"]), leader=data["leader"],
-                follow=tuple(data[f"follow_{i}"] for i in range(n)))
+                follow=tuple(data[f"follow_{i}"] for i in range(n)),
+                op_names=tuple(data["op_names"].tolist()))

@@ -1,0 +1,248 @@
+"""A small MILP model builder and the backends that solve it.
+
+Backends:
+- ``highs`` (embedded default, MIT licence, via ``highspy``): branch and cut on the LP relaxation.
+- ``cpsat`` (OR-Tools CP-SAT, Apache licence): the solver XLA's auto-sharding used. It works on
+  integers only: every continuous variable carries a resolution (1 ns for seconds, 1 byte for
+  memory) and every row is scaled to integer coefficients.
+- ``gurobi`` (optional, needs ``gurobipy`` and a licence; the PyPI licence refuses models over
+  2000 variables or constraints).
+
+Every backend status maps to a :class:`~solvers.solution.Status`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+from solvers.linexpr import Expr
+from solvers.solution import SolverError, SolverUnavailableError, Status
+
+__all__ = ["Model", "MilpResult", "BACKENDS", "DEFAULT_BACKEND"]
+
+BACKENDS = ("highs", "cpsat", "gurobi")
+DEFAULT_BACKEND = "highs"
+
+
+@dataclasses.dataclass(frozen=True)
+class MilpResult:
+    """Raw outcome of one MILP solve."""
+
+    status: Status
+    """Mapped outcome."""
+    x: np.ndarray | None
+    """Variable values (None without an incumbent)."""
+    objective: float
+    """Objective of the incumbent, constant included (nan without one)."""
+    bound: float
+    """Best proven lower bound on the objective (nan when unknown)."""
+    seconds: float
+    """Backend wall time."""
+
+    @property
+    def gap(self) -> float:
+        """Relative gap between the incumbent and the bound (inf without either)."""
+        if self.x is None or not np.isfinite(self.bound):
+            return float("inf")
+        return max(0.0, self.objective - self.bound) / max(abs(self.objective), 1e-12)
+
+
+class Model:
+    """Variables with bounds and integrality; rows ``lo <= a @ x <= hi``; a linear objective."""
+
+    def __init__(self):
+        self._lb, self._ub, self._integer, self._resolution = [], [], [], []
+        self._rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+        self.objective: Expr | None = None
+        self.num_vars = 0
+
+    def add_vars(self, count: int, lb=0.0, ub=1.0, integer=True,
+                 resolution: float = 1.0) -> np.ndarray:
+        """Add ``count`` variables; returns their indices.
+
+        Args:
+          resolution: for continuous variables, the unit an integer-only backend (CP-SAT)
+            counts them in, e.g. 1e-9 for seconds or 1 for bytes.
+        """
+        self._lb.append(np.broadcast_to(np.asarray(lb, float), (count,)))
+        self._ub.append(np.broadcast_to(np.asarray(ub, float), (count,)))
+        self._integer.append(np.full(count, bool(integer)))
+        self._resolution.append(np.full(count, 1.0 if integer else float(resolution)))
+        start = self.num_vars
+        self.num_vars += count
+        return np.arange(start, start + count)
+
+    def add_var(self, **kwargs) -> int:
+        """One variable (see :meth:`add_vars`)."""
+        return int(self.add_vars(1, **kwargs)[0])
+
+    def add_row(self, expr: Expr, lo: float = -np.inf, hi: float = np.inf) -> None:
+        """``lo <= expr <= hi``."""
+        self._rows.append((expr.indices, expr.coefs, lo - expr.constant, hi - expr.constant))
+
+    def minimize(self, expr: Expr) -> None:
+        self.objective = expr
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def ub(self) -> np.ndarray:
+        return np.concatenate(self._ub) if self._ub else np.zeros(0)
+
+    def arrays(self):
+        """``(A (csr), lo, hi, lb, ub, cost, integer, resolution, offset)``."""
+        n = self.num_vars
+        if self._rows:
+            rows = np.concatenate([np.full(len(r[0]), k) for k, r in enumerate(self._rows)])
+            cols = np.concatenate([r[0] for r in self._rows]).astype(np.int64)
+            vals = np.concatenate([r[1] for r in self._rows]).astype(float)
+        else:
+            rows = cols = np.zeros(0, np.int64)
+            vals = np.zeros(0)
+        matrix = sp.csr_matrix((vals, (rows, cols)), shape=(len(self._rows), n))
+        matrix.sum_duplicates()
+        lo = np.array([r[2] for r in self._rows], float)
+        hi = np.array([r[3] for r in self._rows], float)
+        cost = np.zeros(n)
+        offset = 0.0
+        if self.objective is not None:
+            np.add.at(cost, self.objective.indices, self.objective.coefs)
+            offset = self.objective.constant
+        return (matrix, lo, hi, np.concatenate(self._lb), np.concatenate(self._ub), cost,
+                np.concatenate(self._integer), np.concatenate(self._resolution), offset)
+
+    def solve(self, backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
+              mip_gap: float = 1e-4, seed: int = 0, threads: int = 1,
+              hint: dict[int, float] | None = None) -> MilpResult:
+        """Minimise the objective.
+
+        Args:
+          hint: values of some variables (a warm start, e.g. the strategy binaries of another
+            plan); backends complete or repair it.
+        """
+        solvers = {"highs": _solve_highs, "cpsat": _solve_cpsat, "gurobi": _solve_gurobi}
+        if backend not in solvers:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        return solvers[backend](self, time_limit, mip_gap, seed, threads, hint or {})
+
+
+def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+    import highspy
+
+    matrix, lo, hi, lb, ub, cost, integer, _, offset = model.arrays()
+    csc = matrix.tocsc()
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), len(lo)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, lb, ub
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.offset_ = offset
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = \
+        csc.indptr, csc.indices, csc.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in integer]
+    h = highspy.Highs()
+    for option, value in (("output_flag", False), ("time_limit", float(time_limit)),
+                          ("mip_rel_gap", float(mip_gap)), ("threads", int(threads)),
+                          ("random_seed", int(seed))):
+        h.setOptionValue(option, value)
+    h.passModel(lp)
+    if hint:
+        index = np.fromiter(hint.keys(), np.int32)
+        h.setSolution(len(index), index, np.fromiter(hint.values(), float))
+    start = time.perf_counter()
+    h.run()
+    seconds = time.perf_counter() - start
+    info = h.getInfo()
+    has = info.primal_solution_status == 2                       # kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if has else None
+    name = h.modelStatusToString(h.getModelStatus()).lower()
+    objective = float(info.objective_function_value) if has else float("nan")
+    bound = float(info.mip_dual_bound) if integer.any() else objective
+    if "optimal" in name:
+        status = Status.OPTIMAL
+    elif "infeasible" in name:
+        status = Status.INFEASIBLE
+    elif "limit" in name or "interrupt" in name:
+        status = Status.TIMEOUT_WITH_INCUMBENT if has else Status.TIMEOUT_NO_INCUMBENT
+    else:
+        status = Status.FEASIBLE if has else Status.ERROR
+    return MilpResult(status, x, objective, bound, seconds)
+
+
+def _solve_cpsat(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+    """CP-SAT in a child process (:mod:`solvers.cpsat_worker`): OR-Tools ships its own copy of
+    HiGHS, whose symbols clash with highspy's when both are loaded into one process."""
+    arrays = model.arrays()
+    request = pickle.dumps((arrays, float(time_limit), float(mip_gap), int(seed), int(threads),
+                            hint))
+    done = subprocess.run([sys.executable, "-m", "solvers.cpsat_worker"], input=request,
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        raise SolverError(f"the CP-SAT worker failed: {done.stderr.decode()[-2000:]}")
+    code, x, bound, seconds = pickle.loads(done.stdout)
+    if code == "IMPORT_ERROR":
+        raise SolverUnavailableError(
+            "backend 'cpsat' needs OR-Tools (pip install ortools); the embedded backend "
+            "'highs' needs nothing more")
+    cost, offset = arrays[5], arrays[8]
+    has = x is not None
+    status = {"OPTIMAL": Status.OPTIMAL, "INFEASIBLE": Status.INFEASIBLE,
+              "UNKNOWN": Status.TIMEOUT_NO_INCUMBENT}.get(code, Status.ERROR)
+    if code == "FEASIBLE":
+        status = Status.TIMEOUT_WITH_INCUMBENT if seconds >= 0.99 * time_limit \
+            else Status.FEASIBLE
+    return MilpResult(status, x, float(cost @ x + offset) if has else float("nan"),
+                      bound + offset if has else float("nan"), seconds)
+
+
+def _solve_gurobi(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+    try:
+        import gurobipy as gp
+    except ImportError as err:
+        raise SolverUnavailableError(
+            "backend 'gurobi' needs gurobipy (pip install gurobipy) and a licence; the "
+            "embedded backend 'highs' needs neither") from err
+    matrix, lo, hi, lb, ub, cost, integer, _, offset = model.arrays()
+    try:
+        env = gp.Env(params={"OutputFlag": 0})
+        grb = gp.Model(env=env)
+        x = grb.addMVar(len(cost), lb=lb, ub=ub, obj=cost,
+                        vtype=np.where(integer, gp.GRB.INTEGER, gp.GRB.CONTINUOUS))
+        grb.ObjCon = offset
+        for keep, sense, rhs in ((np.isfinite(hi), "<", hi), (np.isfinite(lo), ">", lo)):
+            if keep.any():
+                grb.addMConstr(matrix[keep], x, sense, rhs[keep])
+        grb.Params.TimeLimit, grb.Params.MIPGap = time_limit, mip_gap
+        grb.Params.Threads, grb.Params.Seed = threads, seed
+        for j, value in hint.items():
+            x[j].Start = value
+        start = time.perf_counter()
+        grb.optimize()
+    except gp.GurobiError as err:
+        raise SolverUnavailableError(
+            f"gurobi refused the model ({len(cost)} variables, {len(lo)} constraints): {err}. "
+            "The PyPI licence is limited to 2000 of each; use backend='highs' (embedded) or "
+            "'cpsat'") from err
+    seconds = time.perf_counter() - start
+    has = grb.SolCount > 0
+    if grb.Status == gp.GRB.OPTIMAL:
+        status = Status.OPTIMAL
+    elif grb.Status in (gp.GRB.INFEASIBLE, gp.GRB.INF_OR_UNBD):
+        status = Status.INFEASIBLE
+    elif grb.Status == gp.GRB.TIME_LIMIT:
+        status = Status.TIMEOUT_WITH_INCUMBENT if has else Status.TIMEOUT_NO_INCUMBENT
+    else:
+        status = Status.FEASIBLE if has else Status.ERROR
+    return MilpResult(status, np.array(x.X) if has else None,
+                      float(grb.ObjVal) if has else float("nan"),
+                      float(grb.ObjBound) if has else float("nan"), seconds)

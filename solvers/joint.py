@@ -1,0 +1,373 @@
+"""KIWI's reduced joint program (sharding + keep/recompute) as a MILP, and its fixed-keep variants.
+
+Variables and rows:
+- ``s[l, a]`` binary: leader l (a node carrying a strategy variable) takes strategy a, one per
+  leader (eq. 21); followers take ``follow[i][a]``.
+- Edges between two leaders: the resharding matrix R_ji only depends on the producer's output
+  spec and the consumer's operand spec, so strategies with equal rows (columns) form classes and
+  the joint indicator e = s_j s_i^T (eq. 22-23) is kept per pair of classes, as continuous
+  variables whose row and column sums equal the classes' strategy sums. That is the tightest
+  linear description of the product of two one-hot vectors, and exact at integer s. Matrices that
+  split as u[a] + v[b] need no e at all and go into the node costs.
+- ``m_i`` binary for each forward node read by the backward pass (z_i = 1): 1 keeps it, 0 drops
+  it after its last forward reader and recomputes it before its first backward reader.
+- ``w_i >= cost_i(s, e) - M_i m_i``: the recomputation cost, the (1 - m_i) z_i factor of eq. 2.
+- Memory: every value's lifetime is a union of intervals whose bytes are ``mem_i(s)`` or, for
+  the windows a keep decision opens (kept value between its last forward and first backward use;
+  operand held until a recomputed reader runs: h_i of eq. 10-11), ``mem_i(s)`` times a 0/1
+  condition (big-M, exact on the <= side). ``U_k``, the bytes alive at the k-th time where some
+  lifetime ends (only there can the peak occur), follow the recurrence of eq. 3 and stay under
+  the budget (eq. 8).
+- Eq. 9 (inputs of a recomputed node are kept): ``m_i + m_j >= 1`` on every edge i -> j between
+  recomputable nodes (eq. 31 for binary m); other forward inputs are held by the memory terms.
+
+References:
+  KIWI (Liu et al.), eq. 2-11 and appendix eq. 21-31; Alpa (Zheng et al., OSDI 2022), sec. 4.2
+  (one-hot strategies, resharding on edges); Sherali-Adams / local-polytope linearisation of
+  products of one-hot vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from solvers.backend import Model
+from solvers.linexpr import Expr, const, total, var
+from solvers.problem import PHASES, ShardingProblem
+
+__all__ = ["JointModel", "build_joint", "Builder", "TIME_UNIT", "MEMORY_UNIT"]
+
+PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
+TIME_UNIT = 1e-6
+"""Seconds per unit of time in the model: costs are in microseconds, so that they stay well
+above the backends' tolerances (1e-7 and less) instead of sitting at them."""
+MEMORY_UNIT = 2**20
+"""Bytes per unit of memory in the model (MiB)."""
+TIME_RESOLUTION = 1e-3
+"""Smallest time step (1 ns, in model units) for integer-only backends."""
+MEMORY_RESOLUTION = 1.0 / MEMORY_UNIT
+"""Smallest memory step (1 byte, in model units) for integer-only backends."""
+
+
+@dataclasses.dataclass
+class JointModel:
+    """The MILP and what is needed to read a plan back from its solution."""
+
+    model: Model
+    """The MILP."""
+    s_vars: dict[int, np.ndarray]
+    """Leader node -> indices of its strategy binaries (absent: a single strategy). Tied leaders
+    share one array."""
+    m_vars: dict[int, int]
+    """Recomputable node -> index of its keep binary (empty when keep flags are fixed)."""
+    peak_var: int | None
+    """Index of the peak variable when minimising the peak."""
+    build_seconds: float
+    """Time spent building."""
+
+    def decode(self, problem: ShardingProblem, x: np.ndarray, fixed_keep=None):
+        """``(strategy per node, keep per node)`` from a MILP solution."""
+        choice = np.zeros(problem.num_nodes, np.int64)
+        for leader in problem.leaders:
+            idx = self.s_vars.get(int(leader))
+            choice[leader] = 0 if idx is None else int(np.argmax(x[idx]))
+        strategy = np.array([problem.follow[i][choice[problem.leader[i]]]
+                             for i in range(problem.num_nodes)], np.int64)
+        if fixed_keep is not None:
+            return strategy, np.asarray(fixed_keep, bool).copy()
+        keep = np.ones(problem.num_nodes, bool)
+        for node, index in self.m_vars.items():
+            keep[node] = x[index] > 0.5
+        return strategy, keep
+
+    def hint(self, problem: ShardingProblem, strategy, keep=None) -> dict[int, float]:
+        """Values of the strategy (and keep) binaries that encode a plan: a warm start.
+
+        Leaders whose strategy index does not map back (a follower-only choice) are left out.
+        """
+        values: dict[int, float] = {}
+        for leader, idx in self.s_vars.items():
+            for a, index in enumerate(idx):
+                values[int(index)] = float(a == strategy[leader])
+        if keep is not None:
+            for node, index in self.m_vars.items():
+                values[index] = float(keep[node])
+        return values
+
+
+class Builder:
+    """State shared by the parts of the formulation."""
+
+    def __init__(self, problem: ShardingProblem, tie: np.ndarray | None):
+        self.p = problem
+        self.model = Model()
+        self.tie = np.arange(problem.num_nodes) if tie is None else np.asarray(tie)
+        self.s_vars: dict[int, np.ndarray] = {}
+        self.e_cache: dict = {}
+        self._mem: list[Expr | None] = [None] * problem.num_nodes
+        k = problem.num_strategies
+        for leader in problem.leaders:
+            leader = int(leader)
+            if k[leader] < 2:
+                continue
+            twin = int(self.tie[leader])
+            if twin != leader and twin in self.s_vars and k[twin] == k[leader] \
+                    and problem.leader[twin] == twin:
+                self.s_vars[leader] = self.s_vars[twin]
+                continue
+            idx = self.model.add_vars(int(k[leader]))
+            self.s_vars[leader] = idx
+            self.model.add_row(Expr(idx, np.ones(len(idx))), 1.0, 1.0)
+
+    def leader_expr(self, leader: int, values: np.ndarray) -> Expr:
+        """``values`` over a leader's strategies as an expression in its binaries."""
+        values = np.asarray(values, float)
+        idx = self.s_vars.get(int(leader))
+        if idx is None:
+            return const(values[0])
+        low = float(values.min())                    # sum(s) = 1: the minimum is a constant
+        keep = values > low
+        return Expr(idx[keep], values[keep] - low, low)
+
+    def node_expr(self, i: int, values: np.ndarray) -> Expr:
+        """``values`` over node i's strategies, through its leader."""
+        return self.leader_expr(int(self.p.leader[i]), np.asarray(values, float)[self.p.follow[i]])
+
+    def mem(self, i: int) -> Expr:
+        """Per-device bytes of node i's output under its strategy."""
+        if self._mem[i] is None:
+            self._mem[i] = self.node_expr(i, self.p.memory[i] / MEMORY_UNIT)
+        return self._mem[i]
+
+    def conditional(self, i: int, condition: Expr) -> Expr:
+        """An expression >= mem_i(s) * condition for a 0/1 ``condition`` (big-M; exact where it
+        only bounds memory from above)."""
+        mem = self.mem(i)
+        if condition.is_constant:
+            return mem * condition.constant
+        if mem.is_constant:
+            return condition * mem.constant
+        big = float(self.p.memory[i].max()) / MEMORY_UNIT
+        g = self.model.add_var(lb=0.0, ub=big, integer=False, resolution=MEMORY_RESOLUTION)
+        self.model.add_row(var(g) - mem - condition * big, -big, np.inf)
+        return var(g)
+
+    def limit_memory(self, terms, budget, minimize_peak: bool) -> int | None:
+        """Rows that keep the bytes alive at every time under ``budget``.
+
+        Args:
+          terms: ``(bytes expression, first time, last time)`` of every lifetime interval.
+          budget: the per-device budget in bytes (ignored when minimising the peak).
+          minimize_peak: add and return a variable >= every U_k.
+
+        The peak can only occur where some interval ends, so ``U_k`` is kept for those times
+        only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8).
+        """
+        model = self.model
+        terms = [t for t in terms if not t[0].is_constant or t[0].constant]
+        ends = np.unique([z for _, _, z in terms])
+        first_k = np.searchsorted(ends, [a for _, a, _ in terms])
+        last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
+        most = sum(float(m.max()) for m in self.p.memory) / MEMORY_UNIT
+        u = model.add_vars(len(ends), lb=0.0, integer=False, resolution=MEMORY_RESOLUTION,
+                           ub=most if minimize_peak else min(most, float(budget) / MEMORY_UNIT))
+        enter: list[list[Expr]] = [[] for _ in ends]
+        leave: list[list[Expr]] = [[] for _ in ends]
+        for (expr, _, _), fk, lk in zip(terms, first_k, last_k):
+            if fk > lk:
+                continue
+            enter[fk].append(expr)
+            if lk + 1 < len(ends):
+                leave[lk + 1].append(expr)
+        for k in range(len(ends)):
+            row = var(int(u[k])) - total(enter[k]) + total(leave[k])
+            if k:
+                row = row - var(int(u[k - 1]))
+            model.add_row(row, 0.0, 0.0)
+        if not minimize_peak:
+            return None
+        peak = model.add_var(lb=0.0, ub=most, integer=False, resolution=MEMORY_RESOLUTION)
+        for u_k in u:
+            model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
+        return peak
+
+    def node_costs(self) -> list[Expr]:
+        """Per node, the bracket of eq. 2: c_i + d_i of its strategy plus the resharding on its
+        incoming edges."""
+        cost = [self.node_expr(i, self.p.node_cost(i) / TIME_UNIT)
+                for i in range(self.p.num_nodes)]
+        for e, expr in enumerate(self.edge_exprs()):
+            dst = int(self.p.edges[e][1])
+            cost[dst] = cost[dst] + expr
+        return cost
+
+    def edge_exprs(self) -> list[Expr]:
+        """Resharding seconds of every edge as an expression."""
+        p = self.p
+        out: list[Expr | None] = [None] * len(p.edges)
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for e, (src, dst, _slot) in enumerate(p.edges):
+            ls, ld = int(p.leader[src]), int(p.leader[dst])
+            matrix = p.resharding[e][np.ix_(p.follow[src], p.follow[dst])] / TIME_UNIT
+            if not matrix.any():
+                out[e] = const(0.0)
+            elif ls == ld:
+                out[e] = self.leader_expr(ls, np.diagonal(matrix))
+            elif ls not in self.s_vars or ld not in self.s_vars:
+                out[e] = self.leader_expr(ld, matrix[0]) if ls not in self.s_vars \
+                    else self.leader_expr(ls, matrix[:, 0])
+            else:
+                pairs.setdefault((ls, ld), []).append(e)
+        for (ls, ld), edges in pairs.items():
+            mats = [p.resharding[e][np.ix_(p.follow[p.edges[e][0]], p.follow[p.edges[e][1]])]
+                    / TIME_UNIT for e in edges]
+            if all(_separable(m) for m in mats):
+                for e, m in zip(edges, mats):
+                    out[e] = self.leader_expr(ls, m[:, 0] - m[0, 0]) + self.leader_expr(ld, m[0])
+                continue
+            rows = _classes(np.hstack(mats))
+            cols = _classes(np.vstack(mats).T)
+            evars = self._pair_vars(ls, ld, rows, cols)
+            first_a = _first_of_class(rows)
+            first_b = _first_of_class(cols)
+            for e, m in zip(edges, mats):
+                block = m[np.ix_(first_a, first_b)].ravel()
+                nz = block != 0
+                out[e] = Expr(evars.ravel()[nz], block[nz])
+        return out
+
+    def _pair_vars(self, ls: int, ld: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Joint class indicators of two leaders (shared by pairs with the same binaries and
+        classes, as tied layers have)."""
+        src, dst = self.s_vars[ls], self.s_vars[ld]
+        key = (int(src[0]), int(dst[0]), rows.tobytes(), cols.tobytes())
+        if key in self.e_cache:
+            return self.e_cache[key]
+        nr, nc = int(rows.max()) + 1, int(cols.max()) + 1
+        evars = self.model.add_vars(nr * nc, lb=0.0, ub=1.0, integer=False).reshape(nr, nc)
+        for a in range(nr):
+            self.model.add_row(Expr(evars[a], np.ones(nc)) - Expr(src[rows == a],
+                                                                  np.ones((rows == a).sum())),
+                               0.0, 0.0)
+        for b in range(nc):
+            self.model.add_row(Expr(evars[:, b], np.ones(nr)) - Expr(dst[cols == b],
+                                                                     np.ones((cols == b).sum())),
+                               0.0, 0.0)
+        self.e_cache[key] = evars
+        return evars
+
+
+def _separable(matrix: np.ndarray) -> bool:
+    rest = matrix - matrix[:, :1] - matrix[:1, :] + matrix[0, 0]
+    return bool(np.all(np.abs(rest) <= 1e-9 * max(1e-30, float(np.abs(matrix).max()))))
+
+
+def _classes(matrix: np.ndarray) -> np.ndarray:
+    """Class id of every row (equal rows, equal class), numbered by first appearance."""
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(np.argsort(first))
+    return order[inverse.ravel()]
+
+
+def _first_of_class(classes: np.ndarray) -> np.ndarray:
+    return np.array([int(np.flatnonzero(classes == c)[0]) for c in range(classes.max() + 1)])
+
+
+def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=None,
+                minimize_peak: bool = False, tie: np.ndarray | None = None) -> JointModel:
+    """Build the joint program.
+
+    Args:
+      problem: the sharding problem.
+      budget_bytes: per-device memory limit (None: no memory rows unless minimising the peak).
+      fixed_keep: keep flag per node to impose (alpa: all True; the heuristics), or None to let
+        the program choose (kiwi).
+      minimize_peak: minimise the peak memory instead of the step time (the smallest feasible
+        budget).
+      tie: per node, a node whose decisions it copies (layer reuse, see
+        :func:`solvers.reuse.layer_ties`), or None.
+    """
+    start = time.perf_counter()
+    p, b = problem, Builder(problem, tie)
+    model, n = b.model, problem.num_nodes
+    cost = b.node_costs()
+
+    recomputable = (p.phase == FORWARD) & p.z
+    m_vars: dict[int, int] = {}
+    if fixed_keep is None:
+        for i in np.flatnonzero(recomputable):
+            twin = int(b.tie[i])
+            m_vars[int(i)] = m_vars[twin] if twin in m_vars else model.add_var()
+        keep_expr = [var(m_vars[i]) if i in m_vars else const(1.0) for i in range(n)]
+    else:
+        fixed = np.asarray(fixed_keep, bool)
+        keep_expr = [const(1.0 if fixed[i] or not recomputable[i] else 0.0) for i in range(n)]
+
+    ub = np.full(model.num_vars, 1.0)
+    objective = [] if minimize_peak else list(cost)
+    for i in np.flatnonzero(recomputable):
+        i = int(i)
+        if i in m_vars:
+            big = cost[i].upper(ub)
+            w = model.add_var(lb=0.0, ub=big, integer=False, resolution=TIME_RESOLUTION)
+            model.add_row(var(w) - cost[i] + var(m_vars[i], big), 0.0, np.inf)
+            objective.append(var(w))
+        elif keep_expr[i].constant == 0.0:
+            objective.append(cost[i])
+    _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable)
+
+    peak_var = None
+    if budget_bytes is not None or minimize_peak:
+        peak_var = _memory_rows(p, b, keep_expr, recomputable, budget_bytes, minimize_peak)
+    model.minimize(var(peak_var) if minimize_peak else total(objective))
+    return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start)
+
+
+def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
+    """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between recomputable nodes."""
+    seen = set()
+    for src, dst, _slot in p.edges:
+        src, dst = int(src), int(dst)
+        if not (recomputable[src] and recomputable[dst]):
+            continue
+        if src in m_vars and dst in m_vars:
+            pair = tuple(sorted((m_vars[src], m_vars[dst])))
+            if pair not in seen and pair[0] != pair[1]:
+                seen.add(pair)
+                model.add_row(var(pair[0]) + var(pair[1]), 1.0, np.inf)
+            elif pair[0] == pair[1]:
+                model.add_row(var(pair[0]), 1.0, 1.0)     # tied to itself: must be kept
+        elif keep_expr[src].constant + keep_expr[dst].constant < 1.0:
+            raise ValueError(f"fixed keep flags violate KIWI eq. 9: {p.names[dst]} is "
+                             f"recomputed but its input {p.names[src]} is not kept")
+
+
+def _memory_rows(p, b: Builder, keep_expr, recomputable, budget, minimize_peak) -> int | None:
+    """Lifetime terms of every value under KIWI's semantics, limited by the budget."""
+    n = p.num_nodes
+    last = np.minimum(p.live, n - 1)
+    terms: list[tuple[Expr, int, int]] = []
+    for i in range(n):
+        if p.phase[i] == PARAM:
+            terms.append((b.mem(i), 0, n - 1))
+        elif recomputable[i]:
+            terms.append((b.mem(i), i, int(p.fwd_last_use[i])))
+            terms.append((b.mem(i), int(p.first_bwd_use[i]), int(last[i])))
+            if p.first_bwd_use[i] - 1 > p.fwd_last_use[i]:
+                terms.append((b.conditional(i, keep_expr[i]), int(p.fwd_last_use[i]) + 1,
+                              int(p.first_bwd_use[i]) - 1))
+        else:
+            terms.append((b.mem(i), i, int(last[i])))
+    for src, dst, _slot in p.edges:       # operands held until a recomputed reader runs (h_i)
+        src, dst = int(src), int(dst)
+        if not recomputable[dst] or p.phase[src] != FORWARD or p.first_bwd_use[dst] <= last[src]:
+            continue
+        dropped = const(1.0) - keep_expr[dst]
+        if dropped.is_constant and dropped.constant == 0.0:
+            continue
+        terms.append((b.conditional(src, dropped), int(last[src]) + 1,
+                      int(p.first_bwd_use[dst])))
+    return b.limit_memory(terms, budget, minimize_peak)

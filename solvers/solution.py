@@ -1,0 +1,117 @@
+"""Typed solver results and the errors solvers raise."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+__all__ = ["Status", "Solution", "InfeasibleBudgetError", "SolverUnavailableError",
+           "SolverTimeoutError", "SolverError"]
+
+GIB = 2**30
+
+
+class Status(enum.Enum):
+    """Every backend outcome maps to one of these."""
+
+    OPTIMAL = "optimal"
+    """Proven optimal within the relative gap asked for."""
+    FEASIBLE = "feasible"
+    """A plan that fits, with a remaining optimality gap (stopped by gap or limits)."""
+    TIMEOUT_WITH_INCUMBENT = "timeout_with_incumbent"
+    """The time limit stopped the search; the best plan found is returned with its gap."""
+    TIMEOUT_NO_INCUMBENT = "timeout_no_incumbent"
+    """The time limit stopped the search before any plan was found."""
+    INFEASIBLE = "infeasible"
+    """No plan fits the budget."""
+    ERROR = "error"
+    """The backend failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """A solver's answer for one problem and budget."""
+
+    solver: str
+    """Formulation: ``alpa``, ``kiwi``, ``alpa+dots`` ..."""
+    backend: str
+    """MILP backend that solved it (``highs``, ``gurobi`` ...)."""
+    status: Status
+    """Outcome."""
+    objective: float
+    """Objective value (predicted step seconds); nan without a plan."""
+    gap: float
+    """Relative optimality gap reported by the backend (0 when proven optimal)."""
+    solve_seconds: float
+    """Wall time of the backend solve (model building excluded)."""
+    build_seconds: float
+    """Wall time spent building the model."""
+    num_vars: int
+    """Variables in the model."""
+    num_constraints: int
+    """Constraints in the model."""
+    budget_bytes: int | None
+    """Per-device memory budget (None: no limit)."""
+    strategy: np.ndarray | None
+    """Strategy index of every node (followers resolved), or None without a plan."""
+    keep: np.ndarray | None
+    """Keep flag of every node: False only for forward values recomputed in the backward pass."""
+    recompute_at: dict[int, tuple[int, ...]] | None = None
+    """Per recomputed forward node, the stages where it is recomputed (reduced plans: the stage
+    of its first backward reader); replayed by :func:`solvers.simulator.simulate`."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.strategy is not None
+
+    @property
+    def recomputed(self) -> np.ndarray:
+        """Ids of the nodes recomputed in the backward pass."""
+        return np.array(sorted(self.recompute_at or ()), np.int64)
+
+    def summary(self) -> dict:
+        return {"solver": self.solver, "backend": self.backend, "status": self.status.value,
+                "feasible": self.feasible, "objective": self.objective, "gap": self.gap,
+                "solve_seconds": self.solve_seconds, "build_seconds": self.build_seconds,
+                "num_vars": self.num_vars, "num_constraints": self.num_constraints,
+                "budget_bytes": self.budget_bytes,
+                "recomputed_nodes": int(len(self.recomputed))}
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan of this solver fits the per-device memory budget."""
+
+    def __init__(self, solver: str, budget_bytes: int, min_feasible_bytes: int | None,
+                 lower_bound_bytes: int | None = None):
+        self.solver, self.budget_bytes = solver, budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        """Smallest budget known to be feasible (None: none found)."""
+        self.lower_bound_bytes = lower_bound_bytes
+        """No budget under this is feasible."""
+        if min_feasible_bytes is None:
+            smallest = "the search for a feasible budget found none in its time limit"
+        elif lower_bound_bytes is not None and lower_bound_bytes < min_feasible_bytes:
+            smallest = (f"the smallest feasible budget for {solver} lies between "
+                        f"{lower_bound_bytes} and {min_feasible_bytes} bytes "
+                        f"({min_feasible_bytes / GIB:.3f} GiB fits)")
+        else:
+            smallest = (f"the smallest feasible budget for {solver} is {min_feasible_bytes} "
+                        f"bytes ({min_feasible_bytes / GIB:.3f} GiB)")
+        super().__init__(
+            f"{solver}: no plan fits a per-device budget of {budget_bytes} bytes "
+            f"({budget_bytes / GIB:.3f} GiB); {smallest}. Raise the budget to at least that, use "
+            "more devices, or a solver with recomputation (kiwi)")
+
+
+class SolverUnavailableError(RuntimeError):
+    """The requested backend is not installed or refuses the model."""
+
+
+class SolverTimeoutError(RuntimeError):
+    """The time limit passed before any plan was found."""
+
+
+class SolverError(RuntimeError):
+    """The backend failed for another reason."""

@@ -1,0 +1,116 @@
+"""Solve a sharding problem with one of the formulations, and find the smallest feasible budget.
+
+References:
+  KIWI (Liu et al.), eq. 2-11 (``kiwi``), eq. 1 with appendix eq. 12-23 (``kiwi-full``);
+  Alpa (Zheng et al.) intra-operator ILP (``alpa``); KIWI sec. 4.1 baselines (``alpa+dots``,
+  ``alpa+megatron``, ``alpa+full``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from solvers.backend import DEFAULT_BACKEND
+from solvers.full import FullModel, build_full
+from solvers.heuristics import RULES
+from solvers.joint import MEMORY_UNIT, TIME_UNIT, build_joint
+from solvers.problem import ShardingProblem
+from solvers.reuse import layer_ties
+from solvers.simulator import reduced_schedule
+from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
+                              Status)
+
+__all__ = ["SOLVERS", "solve", "min_feasible_budget"]
+
+SOLVERS = (*RULES, "kiwi", "kiwi-full")
+log = logging.getLogger(__name__)
+
+
+def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers):
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; expected one of {', '.join(SOLVERS)}")
+    if solver == "kiwi-full":
+        return build_full(problem, budget, minimize_peak=minimize_peak), None
+    fixed = None if solver == "kiwi" else RULES[solver](problem)
+    tie = layer_ties(problem) if reuse_layers else None
+    return build_joint(problem, budget, fixed_keep=fixed, minimize_peak=minimize_peak,
+                       tie=tie), fixed
+
+
+def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
+          backend: str = DEFAULT_BACKEND, time_limit: float = 60.0, mip_gap: float = 1e-4,
+          seed: int = 0, threads: int = 1, reuse_layers: bool = False,
+          warm_start: Solution | None = None) -> Solution:
+    """Plan ``problem`` under a per-device budget (None: no memory limit).
+
+    Args:
+      problem: the costed problem.
+      budget_bytes: per-device memory budget, or None.
+      solver: one of :data:`SOLVERS`.
+      backend: ``highs`` (embedded default), ``cpsat`` or ``gurobi``.
+      time_limit: seconds for the backend; the best plan found by then is returned with its gap.
+      mip_gap: relative optimality gap at which to stop.
+      seed: the backend's random seed (same seed, same model: same answer).
+      threads: backend threads.
+      reuse_layers: give corresponding operators of identical layers one decision (solve one
+        layer, apply it to its repeats): fewer variables, possibly a worse plan.
+      warm_start: a plan (e.g. the ``alpa`` solution) to start the search from.
+
+    Raises:
+      InfeasibleBudgetError: no plan fits; carries the smallest feasible budget.
+      SolverTimeoutError: the time limit passed before any plan was found.
+      SolverError: the backend failed.
+    """
+    joint, fixed = _formulation(problem, solver, budget_bytes, False, reuse_layers)
+    log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
+             joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
+    hint = None
+    if warm_start is not None and warm_start.feasible:
+        hint = joint.hint(problem, warm_start.strategy,
+                          warm_start.keep if fixed is None else None)
+    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
+                               threads=threads, hint=hint)
+    if result.status == Status.INFEASIBLE:
+        low, high = min_feasible_budget(problem, solver, backend=backend, time_limit=time_limit,
+                                        reuse_layers=reuse_layers)
+        raise InfeasibleBudgetError(solver, int(budget_bytes), high, low)
+    if result.x is None:
+        if result.status == Status.TIMEOUT_NO_INCUMBENT:
+            raise SolverTimeoutError(
+                f"{solver}: no plan found within {time_limit} s ({joint.model.num_vars} "
+                f"variables); raise time_limit, the budget, or pass reuse_layers=True")
+        raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
+    strategy, keep = joint.decode(problem, result.x, fixed)
+    schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
+        else reduced_schedule(problem, keep)
+    status = result.status
+    if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
+        status = Status.FEASIBLE
+    return Solution(
+        solver=solver, backend=backend, status=status, objective=float(result.objective) * TIME_UNIT,
+        gap=0.0 if status == Status.OPTIMAL else float(result.gap),
+        solve_seconds=result.seconds, build_seconds=joint.build_seconds,
+        num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
+        budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule)
+
+
+def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
+                        backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
+                        reuse_layers: bool = False) -> tuple[int | None, int | None]:
+    """Bounds on the smallest per-device peak a plan of ``solver`` can have: the same program
+    with the peak minimised instead of the step time.
+
+    Returns:
+      ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
+      when the search finished). ``(None, None)`` when the search found no plan.
+    """
+    joint, _ = _formulation(problem, solver, None, True, reuse_layers)
+    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-6)
+    if result.x is None:
+        return None, None
+    upper = int(np.ceil(result.x[joint.peak_var] * MEMORY_UNIT - 1e-3))
+    lower = upper if result.status == Status.OPTIMAL \
+        else int(np.floor(result.bound * MEMORY_UNIT))
+    return lower, upper
