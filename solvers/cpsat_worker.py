@@ -16,22 +16,29 @@ import numpy as np
 
 __all__ = ["solve", "integer_row"]
 
-PRECISION = 10**7
-"""Largest coefficient of a scaled row that is not exactly integral."""
+SMALLEST = 1e4
+"""What the smallest coefficient of a row that is not exactly integral is scaled to."""
+LARGEST = 1e12
+"""Cap on a scaled coefficient (products with variable domains must stay within int64)."""
 
 
 def integer_row(coefs: np.ndarray, lo: float, hi: float):
-    """The row scaled to integer coefficients: exact when they are multiples of the smallest,
-    else the largest becomes ``PRECISION`` and the rest are rounded; bounds are rounded inwards
-    (None: no bound)."""
+    """The row scaled to integer coefficients, with bounds rounded inwards (None: no bound).
+
+    Exact when the coefficients are multiples of the smallest; otherwise the smallest becomes
+    ``SMALLEST`` (rounding error under 1/(2 SMALLEST) of it), unless that would take the largest
+    past ``LARGEST``.
+    """
     nonzero = np.abs(coefs[coefs != 0])
     if not len(nonzero):
         return coefs.astype(np.int64), lo, hi
     factor = 1.0 / nonzero.min()
-    if not np.allclose(coefs * factor, np.round(coefs * factor), rtol=0, atol=1e-9) \
-            or nonzero.max() * factor > PRECISION:
-        factor = PRECISION / nonzero.max()
+    if not np.allclose(coefs * factor, np.round(coefs * factor), rtol=0, atol=1e-9):
+        factor = min(SMALLEST / nonzero.min(), LARGEST / nonzero.max())
     ints = np.round(coefs * factor).astype(np.int64)
+    if (ints[coefs != 0] == 0).any():
+        raise ValueError(f"row coefficients span more than {LARGEST:.0e}: "
+                         f"{nonzero.min():.3g} .. {nonzero.max():.3g}")
     lo_i = int(math.ceil(lo * factor - 1e-6)) if np.isfinite(lo) else None
     hi_i = int(math.floor(hi * factor + 1e-6)) if np.isfinite(hi) else None
     return ints, lo_i, hi_i

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from solvers.joint import TIME_RESOLUTION, Builder, JointModel
+from solvers.joint import Builder, JointModel
 from solvers.linexpr import Expr, const, total, var
 from solvers.problem import PHASES, ShardingProblem
 
@@ -144,7 +144,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
         if minimize_peak:
             break
         big = cost[i].upper(ub)
-        w = model.add_var(lb=0.0, ub=big, integer=False, resolution=TIME_RESOLUTION)
+        w = model.add_var(lb=0.0, ub=big, integer=False, resolution=b.units.time_resolution)
         model.add_row(var(w) - cost[i] - var(index, big), -big, np.inf)
         objective.append(var(w))
 
@@ -162,4 +162,5 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
             terms.append((b.conditional(i, available(t, i)), t, t))
         peak_var = b.limit_memory(terms, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
-    return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, a_vars=a)
+    return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,
+                     a_vars=a)

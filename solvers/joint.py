@@ -30,6 +30,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -38,18 +39,39 @@ from solvers.backend import Model
 from solvers.linexpr import Expr, const, total, var
 from solvers.problem import PHASES, ShardingProblem
 
-__all__ = ["JointModel", "build_joint", "Builder", "TIME_UNIT", "MEMORY_UNIT"]
+__all__ = ["JointModel", "build_joint", "Builder", "Units"]
 
 PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
-TIME_UNIT = 1e-6
-"""Seconds per unit of time in the model: costs are in microseconds, so that they stay well
-above the backends' tolerances (1e-7 and less) instead of sitting at them."""
-MEMORY_UNIT = 2**20
-"""Bytes per unit of memory in the model (MiB)."""
-TIME_RESOLUTION = 1e-3
-"""Smallest time step (1 ns, in model units) for integer-only backends."""
-MEMORY_RESOLUTION = 1.0 / MEMORY_UNIT
-"""Smallest memory step (1 byte, in model units) for integer-only backends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """The units a model counts time and memory in, chosen per problem so that its largest
+    coefficients are about a thousand: costs in seconds (1e-7 .. 1e-3) would sit at the
+    backends' feasibility and optimality tolerances, and bytes (up to 1e10) far above them."""
+
+    seconds: float
+    """Seconds per model time unit."""
+    bytes: float
+    """Bytes per model memory unit (a power of two, at least 1)."""
+
+    @classmethod
+    def for_problem(cls, problem: ShardingProblem) -> "Units":
+        cost = max(float(problem.node_cost(i).max()) for i in range(problem.num_nodes))
+        cost = max([cost] + [float(r.max()) for r in problem.resharding])
+        memory = max(float(m.max()) for m in problem.memory)
+        return cls(seconds=2.0 ** math.floor(math.log2(max(cost, 1e-30) / 1e3)),
+                   bytes=2.0 ** max(0, math.floor(math.log2(max(memory, 1.0) / 1e3))))
+
+    @property
+    def time_resolution(self) -> float:
+        """The time step of integer-only backends: a millionth of the largest cost."""
+        return 1e-3
+
+    @property
+    def memory_resolution(self) -> float:
+        """1 byte in model units (for integer-only backends)."""
+        return 1.0 / self.bytes
 
 
 @dataclasses.dataclass
@@ -67,6 +89,8 @@ class JointModel:
     """Index of the peak variable when minimising the peak."""
     build_seconds: float
     """Time spent building."""
+    units: Units
+    """The units of the model's time and memory."""
 
     def decode(self, problem: ShardingProblem, x: np.ndarray, fixed_keep=None):
         """``(strategy per node, keep per node)`` from a MILP solution."""
@@ -104,6 +128,7 @@ class Builder:
     def __init__(self, problem: ShardingProblem, tie: np.ndarray | None):
         self.p = problem
         self.model = Model()
+        self.units = Units.for_problem(problem)
         self.tie = np.arange(problem.num_nodes) if tie is None else np.asarray(tie)
         self.s_vars: dict[int, np.ndarray] = {}
         self.e_cache: dict = {}
@@ -139,7 +164,7 @@ class Builder:
     def mem(self, i: int) -> Expr:
         """Per-device bytes of node i's output under its strategy."""
         if self._mem[i] is None:
-            self._mem[i] = self.node_expr(i, self.p.memory[i] / MEMORY_UNIT)
+            self._mem[i] = self.node_expr(i, self.p.memory[i] / self.units.bytes)
         return self._mem[i]
 
     def conditional(self, i: int, condition: Expr) -> Expr:
@@ -150,8 +175,9 @@ class Builder:
             return mem * condition.constant
         if mem.is_constant:
             return condition * mem.constant
-        big = float(self.p.memory[i].max()) / MEMORY_UNIT
-        g = self.model.add_var(lb=0.0, ub=big, integer=False, resolution=MEMORY_RESOLUTION)
+        big = float(self.p.memory[i].max()) / self.units.bytes
+        g = self.model.add_var(lb=0.0, ub=big, integer=False,
+                               resolution=self.units.memory_resolution)
         self.model.add_row(var(g) - mem - condition * big, -big, np.inf)
         return var(g)
 
@@ -171,9 +197,10 @@ class Builder:
         ends = np.unique([z for _, _, z in terms])
         first_k = np.searchsorted(ends, [a for _, a, _ in terms])
         last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
-        most = sum(float(m.max()) for m in self.p.memory) / MEMORY_UNIT
-        u = model.add_vars(len(ends), lb=0.0, integer=False, resolution=MEMORY_RESOLUTION,
-                           ub=most if minimize_peak else min(most, float(budget) / MEMORY_UNIT))
+        most = sum(float(m.max()) for m in self.p.memory) / self.units.bytes
+        u = model.add_vars(len(ends), lb=0.0, integer=False,
+                           resolution=self.units.memory_resolution,
+                           ub=most if minimize_peak else min(most, budget / self.units.bytes))
         enter: list[list[Expr]] = [[] for _ in ends]
         leave: list[list[Expr]] = [[] for _ in ends]
         for (expr, _, _), fk, lk in zip(terms, first_k, last_k):
@@ -189,7 +216,8 @@ class Builder:
             model.add_row(row, 0.0, 0.0)
         if not minimize_peak:
             return None
-        peak = model.add_var(lb=0.0, ub=most, integer=False, resolution=MEMORY_RESOLUTION)
+        peak = model.add_var(lb=0.0, ub=most, integer=False,
+                             resolution=self.units.memory_resolution)
         for u_k in u:
             model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
         return peak
@@ -197,7 +225,7 @@ class Builder:
     def node_costs(self) -> list[Expr]:
         """Per node, the bracket of eq. 2: c_i + d_i of its strategy plus the resharding on its
         incoming edges."""
-        cost = [self.node_expr(i, self.p.node_cost(i) / TIME_UNIT)
+        cost = [self.node_expr(i, self.p.node_cost(i) / self.units.seconds)
                 for i in range(self.p.num_nodes)]
         for e, expr in enumerate(self.edge_exprs()):
             dst = int(self.p.edges[e][1])
@@ -211,7 +239,8 @@ class Builder:
         pairs: dict[tuple[int, int], list[int]] = {}
         for e, (src, dst, _slot) in enumerate(p.edges):
             ls, ld = int(p.leader[src]), int(p.leader[dst])
-            matrix = p.resharding[e][np.ix_(p.follow[src], p.follow[dst])] / TIME_UNIT
+            matrix = p.resharding[e][np.ix_(p.follow[src], p.follow[dst])] \
+                / self.units.seconds
             if not matrix.any():
                 out[e] = const(0.0)
             elif ls == ld:
@@ -223,7 +252,7 @@ class Builder:
                 pairs.setdefault((ls, ld), []).append(e)
         for (ls, ld), edges in pairs.items():
             mats = [p.resharding[e][np.ix_(p.follow[p.edges[e][0]], p.follow[p.edges[e][1]])]
-                    / TIME_UNIT for e in edges]
+                    / self.units.seconds for e in edges]
             if all(_separable(m) for m in mats):
                 for e, m in zip(edges, mats):
                     out[e] = self.leader_expr(ls, m[:, 0] - m[0, 0]) + self.leader_expr(ld, m[0])
@@ -312,7 +341,8 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         i = int(i)
         if i in m_vars:
             big = cost[i].upper(ub)
-            w = model.add_var(lb=0.0, ub=big, integer=False, resolution=TIME_RESOLUTION)
+            w = model.add_var(lb=0.0, ub=big, integer=False,
+                              resolution=b.units.time_resolution)
             model.add_row(var(w) - cost[i] + var(m_vars[i], big), 0.0, np.inf)
             objective.append(var(w))
         elif keep_expr[i].constant == 0.0:
@@ -323,7 +353,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     if budget_bytes is not None or minimize_peak:
         peak_var = _memory_rows(p, b, keep_expr, recomputable, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
-    return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start)
+    return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units)
 
 
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:

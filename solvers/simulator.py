@@ -11,7 +11,7 @@ Semantics:
   (keep flags) recompute a dropped value once, in the stage of its first backward reader.
 - Every use of a value (by the node of stage t, by a recomputation in stage t, or as a step
   output at time n) is served by the latest copy created at or before t; using a value before
-  any copy exists is an error. A copy is alive from its creation to the last use it serves
+  any copy exists cannot happen (every use comes after the value's own stage). A copy is alive from its creation to the last use it serves
   (free after last use); inputs (phase ``param``) are alive throughout.
 - Step time = sum over nodes of (number of executions) x (c_i + d_i + resharding on the node's
   incoming edges) (KIWI eq. 1 and 2).
@@ -77,8 +77,8 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
       recompute_at: per forward node, the stages where it is recomputed (overrides ``keep``).
 
     Raises:
-      ValueError: a value is used in a stage before any copy of it exists, or a recomputation
-        is asked for a node that is not a forward node.
+      ValueError: a recomputation of a node that is not a forward node, or outside the stages
+        after its own.
     """
     n = problem.num_nodes
     strategy = np.asarray(strategy, dtype=np.int64)
@@ -106,24 +106,20 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         for t in recompute_at[i]:
             recomputed_in.setdefault(int(t), []).append(int(i))
 
-    def use(i: int, t: int, reader: str) -> None:
+    def use(i: int, t: int) -> None:
         if problem.phase[i] == PARAM:
             return
-        k = bisect.bisect_right(creations[i], t) - 1
-        if k < 0:
-            raise ValueError(f"{reader} uses {problem.names[i]} in stage {t} before any copy "
-                             "of it exists (its inputs must be kept or recomputed first)")
-        c = creations[i][k]
+        c = creations[i][bisect.bisect_right(creations[i], t) - 1]     # stage i <= t
         served_until[i][c] = max(served_until[i][c], t)
 
     for t in range(n):
         for i in recomputed_in.get(t, ()):
             for src in operands.get(i, ()):
-                use(src, t, f"the recomputation of {problem.names[i]}")
+                use(src, t)
         for src in operands.get(t, ()):
-            use(src, t, problem.names[t])
+            use(src, t)
     for i in np.flatnonzero(problem.is_output):
-        use(int(i), n, "the step's outputs")
+        use(int(i), n)
 
     compute = np.array([problem.compute[i][s] for i, s in enumerate(strategy)])
     comm = np.array([problem.comm[i][s] for i, s in enumerate(strategy)])

@@ -61,6 +61,8 @@ class Solution:
     recompute_at: dict[int, tuple[int, ...]] | None = None
     """Per recomputed forward node, the stages where it is recomputed (reduced plans: the stage
     of its first backward reader); replayed by :func:`solvers.simulator.simulate`."""
+    peak_bytes: int | None = None
+    """Per-device peak of the plan, by the simulator."""
 
     @property
     def feasible(self) -> bool:
@@ -76,7 +78,7 @@ class Solution:
                 "feasible": self.feasible, "objective": self.objective, "gap": self.gap,
                 "solve_seconds": self.solve_seconds, "build_seconds": self.build_seconds,
                 "num_vars": self.num_vars, "num_constraints": self.num_constraints,
-                "budget_bytes": self.budget_bytes,
+                "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                 "recomputed_nodes": int(len(self.recomputed))}
 
 
@@ -99,10 +101,11 @@ class InfeasibleBudgetError(ValueError):
         else:
             smallest = (f"the smallest feasible budget for {solver} is {min_feasible_bytes} "
                         f"bytes ({min_feasible_bytes / GIB:.3f} GiB)")
+        other = "" if solver.startswith("kiwi") else ", or a solver with recomputation (kiwi)"
         super().__init__(
             f"{solver}: no plan fits a per-device budget of {budget_bytes} bytes "
             f"({budget_bytes / GIB:.3f} GiB); {smallest}. Raise the budget to at least that, use "
-            "more devices, or a solver with recomputation (kiwi)")
+            f"more devices{other}")
 
 
 class SolverUnavailableError(RuntimeError):

@@ -15,10 +15,10 @@ import numpy as np
 from solvers.backend import DEFAULT_BACKEND
 from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
-from solvers.joint import MEMORY_UNIT, TIME_UNIT, build_joint
+from solvers.joint import build_joint
 from solvers.problem import ShardingProblem
 from solvers.reuse import layer_ties
-from solvers.simulator import reduced_schedule
+from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status)
 
@@ -63,37 +63,52 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
       SolverTimeoutError: the time limit passed before any plan was found.
       SolverError: the backend failed.
     """
-    joint, fixed = _formulation(problem, solver, budget_bytes, False, reuse_layers)
-    log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
-             joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
-    hint = None
-    if warm_start is not None and warm_start.feasible:
-        hint = joint.hint(problem, warm_start.strategy,
-                          warm_start.keep if fixed is None else None)
-    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
-                               threads=threads, hint=hint)
-    if result.status == Status.INFEASIBLE:
-        low, high = min_feasible_budget(problem, solver, backend=backend, time_limit=time_limit,
-                                        reuse_layers=reuse_layers)
-        raise InfeasibleBudgetError(solver, int(budget_bytes), high, low)
-    if result.x is None:
-        if result.status == Status.TIMEOUT_NO_INCUMBENT:
-            raise SolverTimeoutError(
-                f"{solver}: no plan found within {time_limit} s ({joint.model.num_vars} "
-                f"variables); raise time_limit, the budget, or pass reuse_layers=True")
-        raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
-    strategy, keep = joint.decode(problem, result.x, fixed)
-    schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
-        else reduced_schedule(problem, keep)
+    limit = budget_bytes
+    for _attempt in range(3):
+        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers)
+        log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
+                 joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
+        hint = None
+        if warm_start is not None and warm_start.feasible:
+            hint = joint.hint(problem, warm_start.strategy,
+                              warm_start.keep if fixed is None else None)
+        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
+                                   threads=threads, hint=hint)
+        if result.status == Status.INFEASIBLE:
+            low, high = min_feasible_budget(problem, solver, backend=backend,
+                                            time_limit=time_limit, reuse_layers=reuse_layers)
+            raise InfeasibleBudgetError(solver, int(budget_bytes), high, low)
+        if result.x is None:
+            if result.status == Status.TIMEOUT_NO_INCUMBENT:
+                raise SolverTimeoutError(
+                    f"{solver}: no plan found within {time_limit} s ({joint.model.num_vars} "
+                    "variables); raise time_limit or the budget, or pass reuse_layers=True")
+            raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
+        strategy, keep = joint.decode(problem, result.x, fixed)
+        schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
+            else reduced_schedule(problem, keep)
+        peak = simulate(problem, strategy, recompute_at=schedule).peak_bytes
+        if budget_bytes is None or peak <= budget_bytes:
+            break
+        # The backend's feasibility tolerance let a plan through that the simulator puts over
+        # the budget: solve again with the excess taken off.
+        log.warning("%s: plan peaks at %d bytes, over the budget of %d by the backend's "
+                    "tolerance; solving again", solver, peak, budget_bytes)
+        limit -= peak - budget_bytes
+    else:
+        raise SolverError(f"{solver}: the backend's plans stay over the budget ({peak} > "
+                          f"{budget_bytes} bytes)")
     status = result.status
     if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
         status = Status.FEASIBLE
     return Solution(
-        solver=solver, backend=backend, status=status, objective=float(result.objective) * TIME_UNIT,
+        solver=solver, backend=backend, status=status,
+        objective=float(result.objective) * joint.units.seconds,
         gap=0.0 if status == Status.OPTIMAL else float(result.gap),
         solve_seconds=result.seconds, build_seconds=joint.build_seconds,
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
-        budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule)
+        budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
+        peak_bytes=peak)
 
 
 def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
@@ -106,11 +121,14 @@ def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
       ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
       when the search finished). ``(None, None)`` when the search found no plan.
     """
-    joint, _ = _formulation(problem, solver, None, True, reuse_layers)
+    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
     result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-6)
     if result.x is None:
         return None, None
-    upper = int(np.ceil(result.x[joint.peak_var] * MEMORY_UNIT - 1e-3))
+    strategy, keep = joint.decode(problem, result.x, fixed)
+    schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
+        else reduced_schedule(problem, keep)
+    upper = simulate(problem, strategy, recompute_at=schedule).peak_bytes
     lower = upper if result.status == Status.OPTIMAL \
-        else int(np.floor(result.bound * MEMORY_UNIT))
+        else min(upper, int(np.floor(result.bound * joint.units.bytes)))
     return lower, upper

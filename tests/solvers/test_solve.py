@@ -1,0 +1,179 @@
+"""Solvers on tiny graphs with hand-worked optima, and properties on random graphs."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import solvers
+from solvers import InfeasibleBudgetError, Status, simulate, solve
+from solver_graphs import chain_problem, make_problem, random_problem
+
+
+def check_claims(problem, solution, budget=None):
+    """The simulator's verdict equals what the solver claims."""
+    sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
+    assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6, abs=1e-9)
+    if budget is not None:
+        assert sim.peak_bytes <= budget
+    return sim
+
+
+def test_resharding_pair_picks_the_cheapest_combination():
+    # node costs a: [1, 2], b: [3, 1]; resharding 5 when the strategies differ.
+    # (0,0)=4, (1,1)=3, (0,1)=7, (1,0)=10: the optimum is (1,1) at 3 s.
+    p = make_problem([1, 1], [(0, 1)], [[1.0, 2.0], [3.0, 1.0]], [[1, 1], [1, 1]],
+                     resharding=[[[0.0, 5.0], [5.0, 0.0]]])
+    sol = solve(p, None, solver="alpa")
+    assert sol.status == Status.OPTIMAL
+    assert sol.strategy.tolist() == [1, 1]
+    assert sol.objective == pytest.approx(3.0)
+
+
+def test_diamond_pays_resharding_on_both_branches():
+    # a -> b, a -> c, (b, c) -> d; a has 2 strategies, b and c follow cheaply only from a's
+    # strategy 0 (resharding 2 each from strategy 1), a's strategy 1 saves 3 on a itself.
+    p = make_problem([1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3)],
+                     [[4.0, 1.0], [1.0], [1.0], [1.0]], [[1, 1], [1], [1], [1]],
+                     resharding=[[[0.0], [2.0]], [[0.0], [2.0]], [[0.0]], [[0.0]]])
+    sol = solve(p, None, solver="alpa")
+    assert sol.strategy[0] == 0                      # 4 + 0 + 0 < 1 + 2 + 2
+    assert sol.objective == pytest.approx(7.0)
+
+
+def test_memory_budget_moves_to_the_smaller_strategy():
+    # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
+    p = make_problem([1], [], [[1.0, 3.0]], [[100, 10]])
+    assert solve(p, None, solver="alpa").strategy.tolist() == [0]
+    sol = solve(p, 50, solver="alpa")
+    assert sol.strategy.tolist() == [1]
+    assert sol.objective == pytest.approx(3.0)
+
+
+def test_kiwi_recomputes_the_cheapest_value_on_the_chain():
+    p = chain_problem()
+    assert solve(p, 312, solver="kiwi").recomputed.tolist() == []
+    sol = solve(p, 311, solver="kiwi")
+    assert sol.recomputed.tolist() == [1]            # a (1 s), not b (5 s): b would not help
+    assert sol.objective == pytest.approx(14.0)
+    check_claims(p, sol, 311)
+
+
+def test_alpa_cannot_go_under_the_kept_peak_and_names_the_smallest_budget():
+    p = chain_problem()
+    with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget for alpa is 312"):
+        solve(p, 311, solver="alpa")
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(p, 100, solver="kiwi")
+    assert err.value.min_feasible_bytes == 311
+    assert solve(p, err.value.min_feasible_bytes, solver="kiwi").feasible
+
+
+def test_min_feasible_budget_is_tight():
+    p = random_problem(3)
+    low, high = solvers.min_feasible_budget(p, "alpa")
+    assert low == high
+    check_claims(p, solve(p, high, solver="alpa"), high)
+    with pytest.raises(InfeasibleBudgetError):
+        solve(p, high - 1, solver="alpa")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_properties_on_random_graphs(seed):
+    p = random_problem(seed)
+    free = solve(p, None, solver="alpa")
+    check_claims(p, free)
+    peak = simulate(p, free.strategy).peak_bytes
+    low, _ = solvers.min_feasible_budget(p, "kiwi")
+    for budget in sorted({peak, int(0.85 * peak), int(0.7 * peak)}):
+        if budget < low:
+            with pytest.raises(InfeasibleBudgetError):
+                solve(p, budget, solver="kiwi")
+            continue
+        kiwi = solve(p, budget, solver="kiwi")
+        check_claims(p, kiwi, budget)
+        full = solve(p, budget, solver="kiwi-full")
+        check_claims(p, full, budget)
+        assert full.objective <= kiwi.objective * (1 + 1e-6)
+        try:
+            alpa = solve(p, budget, solver="alpa")
+        except InfeasibleBudgetError:
+            continue
+        check_claims(p, alpa, budget)
+        assert kiwi.objective <= alpa.objective * (1 + 1e-6)
+        assert free.objective <= alpa.objective * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("solver", ["alpa+dots", "alpa+full", "alpa+megatron"])
+def test_heuristic_baselines_fix_the_keep_flags(solver):
+    p = random_problem(1, layers=3)
+    p = p if solver != "alpa+megatron" else _with_scopes(p)
+    sol = solve(p, None, solver=solver)
+    check_claims(p, sol)
+    expected = solvers.heuristics.RULES[solver](p)
+    assert sol.keep.tolist() == expected.tolist()
+
+
+def _with_scopes(p):
+    import dataclasses
+    names = tuple(f"layer_0/attention_core/op{i}" if i % 3 == 0 else f"layer_0/mlp/op{i}"
+                  for i in range(p.num_nodes))
+    return dataclasses.replace(p, op_names=names)
+
+
+def test_megatron_needs_name_scopes():
+    with pytest.raises(ValueError, match="op_names"):
+        solve(random_problem(0), None, solver="alpa+megatron")
+
+
+def test_unknown_solver_and_backend_are_named():
+    p = chain_problem()
+    with pytest.raises(ValueError, match="unknown solver 'kiwii'.*kiwi-full"):
+        solve(p, None, solver="kiwii")
+    with pytest.raises(ValueError, match="unknown backend 'glpk'"):
+        solve(p, None, backend="glpk")
+
+
+def test_time_limit_statuses():
+    p = random_problem(7, layers=6, width=3)
+    sol = solve(p, None, solver="kiwi", time_limit=60)
+    assert sol.status == Status.OPTIMAL and sol.gap == 0.0
+    with pytest.raises(solvers.SolverTimeoutError, match="no plan found within"):
+        peak = simulate(p, sol.strategy).peak_bytes
+        solve(p, int(0.7 * peak), solver="kiwi-full", time_limit=1e-3)
+
+
+def test_warm_start_and_seed_give_the_same_plan():
+    p = random_problem(2, layers=3)
+    alpa = solve(p, None, solver="alpa")
+    budget = int(0.9 * simulate(p, alpa.strategy).peak_bytes)
+    cold = solve(p, budget, solver="kiwi", seed=1)
+    warm = solve(p, budget, solver="kiwi", seed=1, warm_start=alpa)
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-6)
+
+
+def test_cpsat_agrees_with_highs():
+    pytest.importorskip("ortools")
+    p = random_problem(4)
+    peak = simulate(p, solve(p, None, solver="alpa").strategy).peak_bytes
+    budget = max(int(0.8 * peak), solvers.min_feasible_budget(p, "kiwi")[1])
+    highs = solve(p, budget, solver="kiwi", backend="highs")
+    cpsat = solve(p, budget, solver="kiwi", backend="cpsat", time_limit=60)
+    check_claims(p, cpsat, budget)
+    assert cpsat.objective == pytest.approx(highs.objective, rel=1e-4)
+
+
+def test_gurobi_without_licence_or_package_is_a_clear_error():
+    try:
+        import gurobipy  # noqa: F401
+    except ImportError:
+        with pytest.raises(solvers.SolverUnavailableError, match="gurobipy.*highs"):
+            solve(chain_problem(), None, backend="gurobi")
+    else:
+        pytest.skip("gurobipy is installed")
+
+
+def test_solvers_never_import_jax():
+    code = "import solvers, sys; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
