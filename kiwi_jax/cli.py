@@ -2,6 +2,8 @@
 
 Subcommands:
   problem   build the costed sharding problem of a reference model and print its size.
+  plan      solve it under a per-device memory budget with one of the solvers and check the
+            plan with the simulator.
 
 Every subcommand prints a human-readable summary and, with ``--json``, a JSON object as the last
 line of stdout.
@@ -63,6 +65,51 @@ def _cmd_problem(args) -> dict:
     return summary
 
 
+def _cmd_plan(args) -> dict:
+    import solvers
+    from kiwi_jax.frontend import problem_for_step
+    from kiwi_jax.plan import resolve_budget
+
+    ref = _reference(args)
+    build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                      mesh=args.mesh, cluster=args.cluster)
+    problem = build.problem
+    options = {"backend": args.backend, "time_limit": args.time_limit,
+               "reuse_layers": args.reuse_layers}
+    budget = resolve_budget(args.budget, problem, **options)
+    out = {"solver": args.solver, "backend": args.backend, "model": args.model,
+           "mesh": args.mesh, "cluster": build.cluster.name, "budget_bytes": budget,
+           "reuse_layers": args.reuse_layers, "operators": problem.num_nodes,
+           "ideal_compute_seconds": problem.ideal_compute_seconds(),
+           **{k: round(v, 3) for k, v in timings.items()}}
+    try:
+        solution = solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
+                                 seed=args.seed, threads=args.threads, **options)
+    except solvers.InfeasibleBudgetError as err:
+        print(f"kiwi-jax plan: {err}", file=sys.stderr)
+        out.update(status="infeasible", feasible=False,
+                   min_feasible_budget_bytes=err.min_feasible_bytes)
+        return out
+    sim = solvers.simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
+    out.update(
+        status=solution.status.value, feasible=True, gap=solution.gap,
+        solve_seconds=solution.solve_seconds, model_build_seconds=solution.build_seconds,
+        num_vars=solution.num_vars, num_constraints=solution.num_constraints,
+        predicted_step_seconds=solution.objective,
+        predicted_peak_bytes=solution.claimed_peak_bytes,
+        simulated_step_seconds=sim.step_seconds, simulated_peak_bytes=sim.peak_bytes,
+        recompute_seconds=sim.recompute_seconds, recomputed_nodes=int(len(solution.recomputed)))
+    print(f"{args.solver} on {args.model} ({problem.num_nodes} operators), mesh {args.mesh}, "
+          f"{build.cluster.name}: {solution.status.value} in {solution.solve_seconds:.2f} s "
+          f"({solution.num_vars} variables, {solution.num_constraints} constraints)")
+    print(f"step {sim.step_seconds * 1e3:.3f} ms (ideal compute "
+          f"{problem.ideal_compute_seconds() * 1e3:.3f} ms, recomputation "
+          f"{sim.recompute_seconds * 1e3:.3f} ms, {len(solution.recomputed)} values "
+          f"recomputed); peak {sim.peak_bytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB "
+          "budget per device")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kiwi-jax", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -71,6 +118,20 @@ def main(argv=None) -> int:
     _model_args(problem)
     problem.add_argument("--no-merge", action="store_true", help="skip follower merging")
     problem.set_defaults(run=_cmd_problem)
+    plan = sub.add_parser("plan", help="solve the problem under a memory budget")
+    _model_args(plan)
+    plan.add_argument("--budget", default="80%", help="per-device budget: bytes (6GiB) or a "
+                      "percentage of the fastest no-limit alpa plan's peak (80%%)")
+    plan.add_argument("--solver", default="kiwi", help="alpa, alpa+dots, alpa+megatron, "
+                      "alpa+full, kiwi, kiwi-full")
+    plan.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
+    plan.add_argument("--time-limit", type=float, default=120.0, help="solver seconds")
+    plan.add_argument("--gap", type=float, default=1e-4, help="relative optimality gap")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--threads", type=int, default=1)
+    plan.add_argument("--reuse-layers", action="store_true",
+                      help="one decision per operator of identical layers (faster solves)")
+    plan.set_defaults(run=_cmd_plan)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -82,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, sort_keys=True, default=str))
-    return 0
+    return 0 if result.get("feasible", True) else 1
 
 
 if __name__ == "__main__":

@@ -163,4 +163,4 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
         peak_var = b.limit_memory(terms, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,
-                     a_vars=a)
+                     b.u_vars, a_vars=a)

@@ -91,6 +91,14 @@ class JointModel:
     """Time spent building."""
     units: Units
     """The units of the model's time and memory."""
+    u_vars: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    """Indices of the U_k (bytes alive where a lifetime ends); empty without memory rows."""
+
+    def claimed_peak(self, x: np.ndarray) -> int | None:
+        """The peak the program claims for a solution (None without memory rows)."""
+        if not len(self.u_vars):
+            return None
+        return int(round(float(x[self.u_vars].max()) * self.units.bytes))
 
     def decode(self, problem: ShardingProblem, x: np.ndarray, fixed_keep=None):
         """``(strategy per node, keep per node)`` from a MILP solution."""
@@ -129,6 +137,7 @@ class Builder:
         self.p = problem
         self.model = Model()
         self.units = Units.for_problem(problem)
+        self.u_vars = np.zeros(0, np.int64)
         self.tie = np.arange(problem.num_nodes) if tie is None else np.asarray(tie)
         self.s_vars: dict[int, np.ndarray] = {}
         self.e_cache: dict = {}
@@ -201,6 +210,7 @@ class Builder:
         u = model.add_vars(len(ends), lb=0.0, integer=False,
                            resolution=self.units.memory_resolution,
                            ub=most if minimize_peak else min(most, budget / self.units.bytes))
+        self.u_vars = u
         enter: list[list[Expr]] = [[] for _ in ends]
         leave: list[list[Expr]] = [[] for _ in ends]
         for (expr, _, _), fk, lk in zip(terms, first_k, last_k):
@@ -306,7 +316,8 @@ def _first_of_class(classes: np.ndarray) -> np.ndarray:
 
 
 def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=None,
-                minimize_peak: bool = False, tie: np.ndarray | None = None) -> JointModel:
+                minimize_peak: bool = False, tie: np.ndarray | None = None,
+                max_seconds: float | None = None) -> JointModel:
     """Build the joint program.
 
     Args:
@@ -318,6 +329,8 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         budget).
       tie: per node, a node whose decisions it copies (layer reuse, see
         :func:`solvers.reuse.layer_ties`), or None.
+      max_seconds: an upper bound on the step time (with ``minimize_peak``: the smallest peak
+        among the plans at most this slow).
     """
     start = time.perf_counter()
     p, b = problem, Builder(problem, tie)
@@ -336,7 +349,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         keep_expr = [const(1.0 if fixed[i] or not recomputable[i] else 0.0) for i in range(n)]
 
     ub = np.full(model.num_vars, 1.0)
-    objective = [] if minimize_peak else list(cost)
+    objective = list(cost)
     for i in np.flatnonzero(recomputable):
         i = int(i)
         if i in m_vars:
@@ -349,11 +362,14 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
             objective.append(cost[i])
     _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable)
 
+    if max_seconds is not None:
+        model.add_row(total(objective), -np.inf, max_seconds / b.units.seconds)
     peak_var = None
     if budget_bytes is not None or minimize_peak:
         peak_var = _memory_rows(p, b, keep_expr, recomputable, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
-    return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units)
+    return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
+                      b.u_vars)
 
 
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:

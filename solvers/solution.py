@@ -63,6 +63,9 @@ class Solution:
     of its first backward reader); replayed by :func:`solvers.simulator.simulate`."""
     peak_bytes: int | None = None
     """Per-device peak of the plan, by the simulator."""
+    claimed_peak_bytes: int | None = None
+    """The peak the program itself claims (its largest U_k); None when it had no memory
+    rows."""
 
     @property
     def feasible(self) -> bool:
@@ -79,6 +82,7 @@ class Solution:
                 "solve_seconds": self.solve_seconds, "build_seconds": self.build_seconds,
                 "num_vars": self.num_vars, "num_constraints": self.num_constraints,
                 "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
+                "claimed_peak_bytes": self.claimed_peak_bytes,
                 "recomputed_nodes": int(len(self.recomputed))}
 
 

@@ -8,6 +8,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -22,7 +23,7 @@ from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status)
 
-__all__ = ["SOLVERS", "solve", "min_feasible_budget"]
+__all__ = ["SOLVERS", "solve", "min_feasible_budget", "reference_plan"]
 
 SOLVERS = (*RULES, "kiwi", "kiwi-full")
 log = logging.getLogger(__name__)
@@ -37,6 +38,14 @@ def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, r
     tie = layer_ties(problem) if reuse_layers else None
     return build_joint(problem, budget, fixed_keep=fixed, minimize_peak=minimize_peak,
                        tie=tie), fixed
+
+
+def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
+    """``(strategy, keep, recomputation schedule, simulated result)`` of a MILP solution."""
+    strategy, keep = joint.decode(problem, x, fixed)
+    schedule = joint.schedule(x) if isinstance(joint, FullModel) \
+        else reduced_schedule(problem, keep)
+    return strategy, keep, schedule, simulate(problem, strategy, recompute_at=schedule)
 
 
 def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
@@ -84,10 +93,8 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
                     f"{solver}: no plan found within {time_limit} s ({joint.model.num_vars} "
                     "variables); raise time_limit or the budget, or pass reuse_layers=True")
             raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
-        strategy, keep = joint.decode(problem, result.x, fixed)
-        schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
-            else reduced_schedule(problem, keep)
-        peak = simulate(problem, strategy, recompute_at=schedule).peak_bytes
+        strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
+        peak = sim.peak_bytes
         if budget_bytes is None or peak <= budget_bytes:
             break
         # The backend's feasibility tolerance let a plan through that the simulator puts over
@@ -108,7 +115,7 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
         solve_seconds=result.seconds, build_seconds=joint.build_seconds,
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
         budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
-        peak_bytes=peak)
+        peak_bytes=peak, claimed_peak_bytes=joint.claimed_peak(result.x))
 
 
 def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
@@ -125,10 +132,35 @@ def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
     result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-6)
     if result.x is None:
         return None, None
-    strategy, keep = joint.decode(problem, result.x, fixed)
-    schedule = joint.schedule(result.x) if isinstance(joint, FullModel) \
-        else reduced_schedule(problem, keep)
-    upper = simulate(problem, strategy, recompute_at=schedule).peak_bytes
+    upper = _decode(joint, problem, result.x, fixed)[3].peak_bytes
     lower = upper if result.status == Status.OPTIMAL \
         else min(upper, int(np.floor(result.bound * joint.units.bytes)))
     return lower, upper
+
+
+def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
+                   time_limit: float = 60.0, reuse_layers: bool = False) -> Solution:
+    """The ``alpa`` plan with no memory limit that, among the fastest ones, peaks lowest: the
+    100% of budgets given as percentages.
+
+    The fastest sharding is rarely unique (the peaks of equally fast plans of the 4-layer
+    KIWI-config GPT differ by 10%), so the peak is minimised in a second solve with the step
+    time held at the optimum.
+    """
+    fastest = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit,
+                    reuse_layers=reuse_layers)
+    fixed = RULES["alpa"](problem)
+    joint = build_joint(problem, None, fixed_keep=fixed, minimize_peak=True,
+                        tie=layer_ties(problem) if reuse_layers else None,
+                        max_seconds=fastest.objective * (1 + 1e-7))
+    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-4,
+                               hint=joint.hint(problem, fastest.strategy))
+    if result.x is None:
+        return fastest
+    strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
+    if sim.peak_bytes >= fastest.peak_bytes or sim.step_seconds > fastest.objective * 1.0001:
+        return fastest
+    return dataclasses.replace(
+        fastest, strategy=strategy, keep=keep, recompute_at=schedule,
+        objective=sim.step_seconds, peak_bytes=sim.peak_bytes,
+        solve_seconds=fastest.solve_seconds + result.seconds)

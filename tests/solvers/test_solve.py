@@ -15,8 +15,9 @@ def check_claims(problem, solution, budget=None):
     """The simulator's verdict equals what the solver claims."""
     sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
     assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6, abs=1e-9)
+    assert sim.peak_bytes == solution.peak_bytes
     if budget is not None:
-        assert sim.peak_bytes <= budget
+        assert sim.peak_bytes <= solution.claimed_peak_bytes <= budget
     return sim
 
 
@@ -177,3 +178,18 @@ def test_gurobi_without_licence_or_package_is_a_clear_error():
 def test_solvers_never_import_jax():
     code = "import solvers, sys; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_plan_is_the_fastest_with_the_lowest_peak(seed):
+    p = random_problem(seed, layers=3)
+    fastest = solve(p, None, solver="alpa")
+    reference = solvers.reference_plan(p)
+    check_claims(p, reference)
+    assert reference.objective == pytest.approx(fastest.objective, rel=1e-6)
+    assert reference.peak_bytes <= fastest.peak_bytes
+    try:                                    # no plan as fast peaks lower
+        lower = solve(p, reference.peak_bytes - 1, solver="alpa")
+    except InfeasibleBudgetError:
+        return
+    assert lower.objective > fastest.objective * (1 + 1e-7)

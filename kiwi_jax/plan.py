@@ -1,0 +1,155 @@
+"""Plans: a solved sharding + rematerialisation problem, tied to the step it was made for.
+
+References:
+  KIWI (Liu et al.), sec. 3.2: a plan is a strategy per operator and a keep flag per forward
+  operator; its predicted cost is eq. 2 and its memory the recurrence eq. 3-8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import numpy as np
+
+from kiwi_jax.apply import TracedStep
+from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
+from kiwi_jax.problem import ProblemBuild, build_problem
+from kiwi_jax.sharding import Comm, reshard_comms, spec_str
+import solvers
+from solvers.simulator import simulate
+
+__all__ = ["Plan", "make_plan", "resolve_budget", "predicted_comms"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A solved plan for one train step on one mesh."""
+
+    solver: str
+    """Formulation that produced it (``kiwi``, ``alpa``, ...)."""
+    status: str
+    """Solver outcome (``optimal``, ``feasible`` ...)."""
+    mesh_shape: tuple[int, int]
+    """Mesh the plan is for."""
+    cluster: str
+    """Cluster preset the costs are for."""
+    budget_bytes: int
+    """Per-device memory budget the plan was solved under."""
+    strategy: np.ndarray
+    """Chosen strategy index of every graph node."""
+    keep: np.ndarray
+    """Keep flag of every node (False: a forward value dropped after the forward pass and
+    recomputed before its first backward reader)."""
+    recomputed: tuple[int, ...]
+    """Ids of the recomputed nodes."""
+    specs: tuple
+    """Output spec of every node under the plan."""
+    node_names: tuple[str, ...]
+    """Stable ids of the nodes."""
+    predicted_step_seconds: float
+    """Simulated step time (compute + communication + resharding + recomputation)."""
+    predicted_peak_bytes: int
+    """Simulated per-device peak memory."""
+    solve_seconds: float
+    """Solver wall time."""
+    objective: float
+    """Solver objective."""
+    ideal_compute_seconds: float
+    """Total FLOPs / (devices x peak FLOP/s)."""
+
+    def summary(self) -> dict:
+        return {
+            "solver": self.solver, "status": self.status, "mesh": "x".join(map(str, self.mesh_shape)),
+            "cluster": self.cluster, "budget_bytes": int(self.budget_bytes),
+            "predicted_step_seconds": self.predicted_step_seconds,
+            "predicted_peak_bytes": int(self.predicted_peak_bytes),
+            "recomputed_nodes": len(self.recomputed), "solve_seconds": self.solve_seconds,
+            "ideal_compute_seconds": self.ideal_compute_seconds,
+        }
+
+    def to_json(self) -> str:
+        data = self.summary()
+        data.update(strategy=self.strategy.tolist(), keep=self.keep.tolist(),
+                    node_names=list(self.node_names),
+                    specs=[[list(axes) for axes in spec] for spec in self.specs])
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str, ideal: float = 0.0) -> "Plan":
+        data = json.loads(text)
+        keep = np.array(data["keep"], bool)
+        return cls(
+            solver=data["solver"], status=data["status"],
+            mesh_shape=tuple(int(v) for v in data["mesh"].split("x")), cluster=data["cluster"],
+            budget_bytes=data["budget_bytes"], strategy=np.array(data["strategy"]), keep=keep,
+            recomputed=tuple(int(i) for i in np.flatnonzero(~keep)),
+            specs=tuple(tuple(tuple(a) for a in spec) for spec in data["specs"]),
+            node_names=tuple(data["node_names"]),
+            predicted_step_seconds=data["predicted_step_seconds"],
+            predicted_peak_bytes=data["predicted_peak_bytes"],
+            solve_seconds=data["solve_seconds"], objective=data.get("objective", 0.0),
+            ideal_compute_seconds=data.get("ideal_compute_seconds", ideal))
+
+
+def resolve_budget(budget, problem, **options) -> int:
+    """Bytes from ``6GiB``, an int, or ``"80%"``: a percentage of the per-device peak of the
+    reference plan (the fastest ``alpa`` plan with no memory limit, lowest peak among equals;
+    see :func:`solvers.reference_plan`)."""
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        fraction = float(budget.strip()[:-1]) / 100.0
+        if not fraction > 0:
+            raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
+        return int(fraction * solvers.reference_plan(problem, **options).peak_bytes)
+    return parse_bytes(budget)
+
+
+def predicted_comms(build: ProblemBuild, strategy) -> list[Comm]:
+    """Every collective the plan implies: the operators' own and the edges' resharding."""
+    graph, strategies = build.graph, build.strategies
+    comms = [c for node in graph.nodes for c in strategies[node.id][strategy[node.id]].comms]
+    for src, dst, slot in graph.edges:
+        comms += reshard_comms(graph.nodes[src].nbytes, strategies[src][strategy[src]].out,
+                               strategies[dst][strategy[dst]].operands[slot], build.mesh)
+    return comms
+
+
+def make_plan(traced: TracedStep, mesh, cluster, memory_budget, solver: str = "kiwi",
+              merge: bool = True, **options) -> tuple[Plan, ProblemBuild]:
+    """Build the problem of a traced step, solve it and simulate the result.
+
+    Raises:
+      solvers.InfeasibleBudgetError: no plan fits; the message names the smallest budget that does.
+    """
+    mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
+    build = build_problem(traced.graph, mesh, cluster, merge=merge)
+    problem = build.problem
+    reference_options = {k: v for k, v in options.items()
+                         if k in ("backend", "time_limit", "reuse_layers")}
+    budget = resolve_budget(memory_budget, problem, **reference_options)
+    start = time.perf_counter()
+    solution = solvers.solve(problem, budget, solver=solver, **options)
+    log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
+    sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
+    plan = Plan(
+        solver=solver, status=str(solution.status.name.lower()), mesh_shape=mesh.shape,
+        cluster=cluster.name, budget_bytes=budget, strategy=np.asarray(solution.strategy),
+        keep=np.asarray(solution.keep),
+        recomputed=tuple(int(i) for i in solution.recomputed),
+        specs=tuple(build.strategies[i][int(s)].out for i, s in enumerate(solution.strategy)),
+        node_names=problem.names, predicted_step_seconds=float(sim.step_seconds),
+        predicted_peak_bytes=int(sim.peak_bytes), solve_seconds=float(solution.solve_seconds),
+        objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds())
+    return plan, build
+
+
+def describe_node(build: ProblemBuild, plan: Plan, node_id: int) -> str:
+    """One line: node, opcode, shape, spec, kept or recomputed."""
+    node = build.graph.nodes[node_id]
+    state = "recompute" if node_id in set(plan.recomputed) else "keep"
+    return (f"{node.name:40s} {node.opcode:12s} {str(node.shape):22s} "
+            f"{spec_str(plan.specs[node_id]):10s} {state}")
