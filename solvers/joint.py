@@ -143,18 +143,18 @@ class Builder:
         self.e_cache: dict = {}
         self._mem: list[Expr | None] = [None] * problem.num_nodes
         k = problem.num_strategies
-        for leader in problem.leaders:
-            leader = int(leader)
-            if k[leader] < 2:
-                continue
-            twin = int(self.tie[leader])
-            if twin != leader and twin in self.s_vars and k[twin] == k[leader] \
-                    and problem.leader[twin] == twin:
-                self.s_vars[leader] = self.s_vars[twin]
-                continue
-            idx = self.model.add_vars(int(k[leader]))
-            self.s_vars[leader] = idx
-            self.model.add_row(Expr(idx, np.ones(len(idx))), 1.0, 1.0)
+        leaders = [int(leader) for leader in problem.leaders if k[leader] > 1]
+        twin = {leader: int(self.tie[leader]) for leader in leaders}
+        shared = {leader for leader in leaders if twin[leader] != leader
+                  and problem.leader[twin[leader]] == twin[leader]
+                  and k[twin[leader]] == k[leader] and twin[twin[leader]] == twin[leader]}
+        for leader in leaders:                  # representatives first: twins may come later
+            if leader not in shared:
+                idx = self.model.add_vars(int(k[leader]))
+                self.s_vars[leader] = idx
+                self.model.add_row(Expr(idx, np.ones(len(idx))), 1.0, 1.0)
+        for leader in shared:
+            self.s_vars[leader] = self.s_vars[twin[leader]]
 
     def leader_expr(self, leader: int, values: np.ndarray) -> Expr:
         """``values`` over a leader's strategies as an expression in its binaries."""
@@ -340,9 +340,10 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     recomputable = (p.phase == FORWARD) & p.z
     m_vars: dict[int, int] = {}
     if fixed_keep is None:
-        for i in np.flatnonzero(recomputable):
+        candidates = [int(i) for i in np.flatnonzero(recomputable)]
+        for i in sorted(candidates, key=lambda i: b.tie[i] != i):     # representatives first
             twin = int(b.tie[i])
-            m_vars[int(i)] = m_vars[twin] if twin in m_vars else model.add_var()
+            m_vars[i] = m_vars[twin] if twin in m_vars else model.add_var()
         keep_expr = [var(m_vars[i]) if i in m_vars else const(1.0) for i in range(n)]
     else:
         fixed = np.asarray(fixed_keep, bool)

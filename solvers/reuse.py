@@ -12,7 +12,8 @@ Counterparts are found in two passes:
    the same name up to digits.
 3. Everything else (the optimizer's per-parameter updates carry no layer scope), in topological
    order: an operator is tied to an earlier one with the same opcode and strategy count whose
-   operands are, slot by slot, the counterparts of its own (hash-consing modulo ties).
+   operands are, slot by slot, the counterparts of its own (hash-consing modulo ties; constants
+   and their broadcasts, which have no operands to compare, tie by shape).
 A tie is kept only when both operators have the same strategies, costs and memory.
 
 References:
@@ -80,6 +81,7 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
         if twin != i and _same(problem, int(i), twin):
             tie[i] = twin
 
+    targets = set(tie[tie != np.arange(n)].tolist())       # stay roots: no chains of ties
     operands: dict[int, list[tuple[int, int]]] = {}
     for src, dst, slot in problem.edges:
         operands.setdefault(int(dst), []).append((int(slot), int(src)))
@@ -87,12 +89,12 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
     for i in range(n):
         ins = tuple(int(tie[src]) for _, src in sorted(operands.get(i, [])))
         signature = (problem.opcodes[i], int(k[i]), int(problem.phase[i]), ins)
-        if tie[i] != i:
+        if tie[i] != i or i in targets:
             continue
         twin = seen.get(signature)
-        moved = any(int(tie[src]) != src for _, src in operands.get(i, []))
-        if twin is not None and moved and _same(problem, i, twin):
+        if twin is not None and _same(problem, i, twin):
             tie[i] = twin
         else:
             seen.setdefault(signature, i)
+    assert (tie[tie] == tie).all()
     return tie

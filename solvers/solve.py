@@ -51,7 +51,7 @@ def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
 def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
           backend: str = DEFAULT_BACKEND, time_limit: float = 60.0, mip_gap: float = 1e-4,
           seed: int = 0, threads: int = 1, reuse_layers: bool = False,
-          warm_start: Solution | None = None) -> Solution:
+          warm_start: Solution | str | None = "auto") -> Solution:
     """Plan ``problem`` under a per-device budget (None: no memory limit).
 
     Args:
@@ -65,13 +65,25 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
       threads: backend threads.
       reuse_layers: give corresponding operators of identical layers one decision (solve one
         layer, apply it to its repeats): fewer variables, possibly a worse plan.
-      warm_start: a plan (e.g. the ``alpa`` solution) to start the search from.
+      warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
+        (default): under a budget, first look for a plan that fits by minimising the peak for
+        up to a quarter of the time limit (the backends' own heuristics often find none on
+        large graphs), and start from it; None: no warm start.
 
     Raises:
       InfeasibleBudgetError: no plan fits; carries the smallest feasible budget.
       SolverTimeoutError: the time limit passed before any plan was found.
       SolverError: the backend failed.
     """
+    if isinstance(warm_start, str):
+        if warm_start != "auto":
+            raise ValueError(f"warm_start: expected a Solution, 'auto' or None, got "
+                             f"{warm_start!r}")
+        warm_start = None
+        if budget_bytes is not None:
+            warm_start = _fitting_plan(problem, solver, budget_bytes, backend, time_limit / 4,
+                                       reuse_layers)
+            time_limit = max(time_limit - (warm_start.solve_seconds if warm_start else 0), 1.0)
     limit = budget_bytes
     for _attempt in range(3):
         joint, fixed = _formulation(problem, solver, limit, False, reuse_layers)
@@ -116,6 +128,25 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
         budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
         peak_bytes=peak, claimed_peak_bytes=joint.claimed_peak(result.x))
+
+
+def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:
+    """A plan under ``budget`` from the peak-minimising program (None if none found in time)."""
+    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
+    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-2)
+    if result.x is None:
+        return None
+    strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
+    if sim.peak_bytes > budget:
+        return None
+    log.info("%s: warm start from a plan peaking at %d bytes (%.2f s)", solver, sim.peak_bytes,
+             result.seconds)
+    return Solution(solver=solver, backend=backend, status=result.status,
+                    objective=sim.step_seconds, gap=float("nan"), solve_seconds=result.seconds,
+                    build_seconds=joint.build_seconds, num_vars=joint.model.num_vars,
+                    num_constraints=joint.model.num_rows, budget_bytes=budget,
+                    strategy=strategy, keep=keep, recompute_at=schedule,
+                    peak_bytes=sim.peak_bytes)
 
 
 def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",

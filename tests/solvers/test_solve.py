@@ -140,9 +140,12 @@ def test_time_limit_statuses():
     p = random_problem(7, layers=6, width=3)
     sol = solve(p, None, solver="kiwi", time_limit=60)
     assert sol.status == Status.OPTIMAL and sol.gap == 0.0
+    budget = int(0.8 * simulate(p, sol.strategy).peak_bytes)
     with pytest.raises(solvers.SolverTimeoutError, match="no plan found within"):
-        peak = simulate(p, sol.strategy).peak_bytes
-        solve(p, int(0.7 * peak), solver="kiwi-full", time_limit=1e-3)
+        solve(p, budget, solver="kiwi-full", time_limit=1e-3, warm_start=None)
+    rushed = solve(p, budget, solver="kiwi", time_limit=0.05)      # the warm start fits
+    assert rushed.status in (Status.OPTIMAL, Status.TIMEOUT_WITH_INCUMBENT, Status.FEASIBLE)
+    check_claims(p, rushed, budget)
 
 
 def test_warm_start_and_seed_give_the_same_plan():

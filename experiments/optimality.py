@@ -1,0 +1,103 @@
+"""Optimality of the reduced program (KIWI Table 1): ``kiwi`` against ``kiwi-full`` on a 7-layer
+MLP at 20/40/60/80% of the reference peak.
+
+Latencies are simulated step times normalised by the reference plan (the fastest ``alpa`` plan
+with no memory limit), as in KIWI's table; solve times are the mean over repeated solves with a
+95% confidence interval (Student's t). The MLP is activation-heavy (batch 2048, width 1024, fp32)
+so that recomputation matters; ``--quick`` uses 3 layers and one repeat.
+
+Usage: python -m experiments.optimality [--json] [--quick] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import solvers
+from experiments.common import write_result
+from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.models import build
+
+KIWI_TABLE1 = {0.2: (8.35, 1717.18, 8.35, 0.79), 0.4: (4.88, 660.41, 5.09, 0.91),
+               0.6: (2.71, 718.49, 3.13, 0.80), 0.8: (1.54, 39.71, 1.72, 0.67)}
+"""KIWI Table 1: budget -> (full latency, full seconds, reduced latency, reduced seconds)."""
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def _interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (0 for one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    t = _T95.get(len(values) - 1, 1.96)
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _solve(problem, solver, budget, reference, repeats, time_limit):
+    runs = []
+    for seed in range(repeats):
+        try:
+            runs.append(solvers.solve(problem, budget, solver=solver, seed=seed,
+                                      time_limit=time_limit))
+        except solvers.InfeasibleBudgetError:
+            return None
+    seconds = _interval([r.solve_seconds for r in runs])
+    best = min(runs, key=lambda r: r.objective)
+    sim = solvers.simulate(problem, best.strategy, recompute_at=best.recompute_at)
+    return {"latency": sim.step_seconds / reference.objective, "solve_seconds": seconds[0],
+            "solve_seconds_ci95": seconds[1], "status": best.status.value, "gap": best.gap,
+            "num_vars": best.num_vars, "recomputed": int(len(best.recomputed)),
+            "recompute_events": int(sum(len(v) for v in best.recompute_at.values()))}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 layers, one repeat")
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mesh", default="2x4")
+    parser.add_argument("--time-limit", type=float, default=1800.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    layers, repeats = (3, 1) if args.quick else (args.layers, args.repeats)
+    ref = build("mlp", layers=layers, batch=2048, width=1024)
+    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                mesh=args.mesh, cluster="v100-nvlink")
+    problem = built.problem
+    reference = solvers.reference_plan(problem)
+    rows = []
+    for fraction in (0.2, 0.4, 0.6, 0.8):
+        budget = int(fraction * reference.peak_bytes)
+        kiwi = _solve(problem, "kiwi", budget, reference, repeats, args.time_limit)
+        full = _solve(problem, "kiwi-full", budget, reference, repeats, args.time_limit)
+        paper = KIWI_TABLE1[fraction]
+        row = {"budget_fraction": fraction, "budget_bytes": budget,
+               "kiwi_feasible": kiwi is not None, "kiwi_full_feasible": full is not None,
+               "paper_kiwi_full_latency": paper[0], "paper_kiwi_full_solve_seconds": paper[1],
+               "paper_kiwi_latency": paper[2], "paper_kiwi_solve_seconds": paper[3]}
+        for name, res in (("kiwi", kiwi), ("kiwi_full", full)):
+            for key, value in (res or {}).items():
+                row[f"{name}_{key}"] = value
+        if kiwi and full:
+            row["latency_ratio"] = kiwi["latency"] / full["latency"]
+            row["speedup"] = full["solve_seconds"] / max(kiwi["solve_seconds"], 1e-9)
+        rows.append(row)
+        print(f"{fraction:.0%}: kiwi {row.get('kiwi_latency', float('nan')):.3f} in "
+              f"{row.get('kiwi_solve_seconds', float('nan')):.2f} s, kiwi-full "
+              f"{row.get('kiwi_full_latency', float('nan')):.3f} in "
+              f"{row.get('kiwi_full_solve_seconds', float('nan')):.2f} s", flush=True)
+    result = {"study": "optimality", "layers": layers, "mesh": args.mesh,
+              "operators": problem.num_nodes, "repeats": repeats,
+              "reference_step_seconds": reference.objective,
+              "reference_peak_bytes": reference.peak_bytes, "rows": rows}
+    write_result("optimality", result)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

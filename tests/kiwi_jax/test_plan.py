@@ -1,0 +1,99 @@
+"""Planning real train steps: layer ties, the 2-layer MLP on a 1x2 mesh, the ``plan`` command."""
+
+import json
+
+import numpy as np
+import pytest
+
+import solvers
+from kiwi_jax.cli import main
+from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.models import build
+
+SMALL_GPT = {"layers": 3, "hidden": 32, "heads": 2, "seq": 8, "batch": 4, "vocab": 64}
+
+
+def _problem(name, mesh, **overrides):
+    ref = build(name, **overrides)
+    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                mesh=mesh, cluster="v100-nvlink")
+    return built.problem
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return _problem("gpt", "1x2", **SMALL_GPT)
+
+
+def test_layer_ties_map_every_layer_onto_the_first(gpt3):
+    tie = solvers.layer_ties(gpt3)
+    for layer in (1, 2):
+        nodes = np.flatnonzero(gpt3.layer == layer)
+        tied = nodes[tie[nodes] != nodes]
+        assert len(tied) / len(nodes) > 0.95
+        assert (gpt3.layer[tie[tied]] == 0).mean() > 0.95
+        assert (gpt3.layer[tie[tied]] != layer).all()
+        for i in tied:
+            j = tie[i]
+            assert gpt3.opcodes[i] == gpt3.opcodes[j]
+            assert gpt3.strategy_names[i] == gpt3.strategy_names[j]
+    # the per-parameter updates of layers 1 and 2 (2/3 of the block parameters' updates; the
+    # rest are layer 0's own and the embeddings' and final norm's) follow those of layer 0
+    updates = np.flatnonzero((gpt3.phase == 3) & (gpt3.num_strategies > 1))
+    assert (tie[updates] != updates).mean() > 0.4
+
+
+def test_reuse_is_a_restriction_of_the_full_program(gpt3):
+    reference = solvers.reference_plan(gpt3)
+    low, _ = solvers.min_feasible_budget(gpt3, "kiwi", reuse_layers=True)
+    budget = (low + reference.peak_bytes) // 2
+    full = solvers.solve(gpt3, budget, solver="kiwi")
+    reused = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=True)
+    assert reused.num_vars < full.num_vars
+    assert full.objective <= reused.objective * (1 + 1e-6)
+    tie = solvers.layer_ties(gpt3)
+    leaders = gpt3.leaders[(tie[gpt3.leaders] != gpt3.leaders)]
+    same = [reused.strategy[i] == reused.strategy[tie[i]] for i in leaders
+            if gpt3.leader[tie[i]] == tie[i]]
+    assert all(same)
+    for solution in (full, reused):
+        sim = solvers.simulate(gpt3, solution.strategy, recompute_at=solution.recompute_at)
+        assert sim.peak_bytes <= budget
+        assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6)
+
+
+def test_two_layer_mlp_on_a_1x2_mesh():
+    p = _problem("mlp", "1x2", layers=2, batch=256, width=128, in_dim=128, out_dim=128)
+    reference = solvers.reference_plan(p)
+    low, _ = solvers.min_feasible_budget(p, "kiwi")
+    alpa_low, _ = solvers.min_feasible_budget(p, "alpa")
+    assert low <= alpa_low                     # recomputation never needs more memory
+    for solver in ("alpa", "kiwi", "kiwi-full"):
+        sol = solvers.solve(p, max(alpa_low, int(0.9 * reference.peak_bytes)), solver=solver)
+        sim = solvers.simulate(p, sol.strategy, recompute_at=sol.recompute_at)
+        assert sim.step_seconds >= reference.objective * (1 - 1e-6)
+        assert sim.step_seconds >= p.ideal_compute_seconds()
+
+
+def test_cli_plan_json(capsys):
+    args = ["plan", "--model", "mlp", "--layers", "2", "--batch", "256", "--width", "128",
+            "--mesh", "2x4", "--budget", "90%", "--solver", "kiwi", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("solver", "backend", "status", "feasible", "solve_seconds",
+                "predicted_step_seconds", "predicted_peak_bytes", "budget_bytes", "num_vars",
+                "num_constraints", "recomputed_nodes", "simulated_step_seconds",
+                "simulated_peak_bytes", "ideal_compute_seconds"):
+        assert key in result
+    assert result["feasible"] and result["simulated_peak_bytes"] <= result["budget_bytes"]
+    assert result["simulated_step_seconds"] == pytest.approx(result["predicted_step_seconds"])
+
+
+def test_cli_plan_infeasible_budget_names_the_smallest(capsys):
+    args = ["plan", "--model", "mlp", "--layers", "2", "--batch", "256", "--width", "128",
+            "--mesh", "2x4", "--budget", "1KiB", "--solver", "alpa", "--json"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "smallest feasible budget for alpa is" in captured.err
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["feasible"] is False and result["min_feasible_budget_bytes"] > 1024
