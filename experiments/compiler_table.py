@@ -32,8 +32,8 @@ from hlo_tools.compiled import collectives  # noqa: E402
 from hlo_tools.graph import Phase  # noqa: E402
 from kiwi_jax.apply import applied_function, node_specs, trace_for_planning  # noqa: E402
 from kiwi_jax.models import build  # noqa: E402
+from kiwi_jax.plan import predicted_comms  # noqa: E402
 from kiwi_jax.problem import build_problem  # noqa: E402
-from kiwi_jax.sharding import reshard_comms  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 
 MODELS = {
@@ -78,15 +78,6 @@ def data_parallel_assignment(built, batch_leaves: set[int]) -> list[int]:
     return choice
 
 
-def predicted_collectives(built, choice) -> list:
-    graph, strategies = built.graph, built.strategies
-    comms = [c for node in graph.nodes for c in strategies[node.id][choice[node.id]].comms]
-    for src, dst, slot in graph.edges:
-        comms += reshard_comms(graph.nodes[src].nbytes, strategies[src][choice[src]].out,
-                               strategies[dst][choice[dst]].operands[slot], built.mesh)
-    return comms
-
-
 def by_kind(comms) -> dict:
     table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for c in comms:
@@ -111,7 +102,7 @@ def compare(name: str, overrides: dict) -> dict:
                        out_shardings=out_shardings).lower(*pure.args).compile()
     found = collectives(compiled.as_text(), np.arange(8).reshape(2, 4))
     return {"model": name, "config": overrides, "operators": len(traced.graph),
-            "predicted": by_kind(predicted_collectives(built, choice)),
+            "predicted": by_kind(predicted_comms(built, choice)),
             "compiled": by_kind(found)}
 
 
