@@ -246,7 +246,7 @@ class Builder:
         """Resharding seconds of every edge as an expression."""
         p = self.p
         out: list[Expr | None] = [None] * len(p.edges)
-        pairs: dict[tuple[int, int], list[int]] = {}
+        pairs: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
         for e, (src, dst, _slot) in enumerate(p.edges):
             ls, ld = int(p.leader[src]), int(p.leader[dst])
             matrix = p.resharding[e][np.ix_(p.follow[src], p.follow[dst])] \
@@ -259,10 +259,9 @@ class Builder:
                 out[e] = self.leader_expr(ld, matrix[0]) if ls not in self.s_vars \
                     else self.leader_expr(ls, matrix[:, 0])
             else:
-                pairs.setdefault((ls, ld), []).append(e)
-        for (ls, ld), edges in pairs.items():
-            mats = [p.resharding[e][np.ix_(p.follow[p.edges[e][0]], p.follow[p.edges[e][1]])]
-                    / self.units.seconds for e in edges]
+                pairs.setdefault((ls, ld), []).append((e, matrix))
+        for (ls, ld), members in pairs.items():
+            edges, mats = [e for e, _ in members], [m for _, m in members]
             if all(_separable(m) for m in mats):
                 for e, m in zip(edges, mats):
                     out[e] = self.leader_expr(ls, m[:, 0] - m[0, 0]) + self.leader_expr(ld, m[0])
