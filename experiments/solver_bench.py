@@ -9,6 +9,8 @@ Sections (each prints a line per solve and goes into results/solver_bench.json):
   not).
 - ``depth``: ``kiwi`` with layer reuse on deeper GPTs (20 layers: target under 30 s).
 - ``backends``: HiGHS against CP-SAT on the same programs.
+- ``tricks``: what follower merging and layer reuse cost in step time on a 2-layer GPT small
+  enough to solve every variant to optimality, and the memory rows the recurrence keeps.
 
 Usage: python -m experiments.solver_bench [--json] [--quick] [--sections targets sweep ...]
 """
@@ -21,13 +23,14 @@ import logging
 import time
 
 import solvers
+import solvers.joint
 from experiments.common import write_result
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 
 log = logging.getLogger(__name__)
 
-SECTIONS = ("targets", "sweep", "depth", "backends")
+SECTIONS = ("targets", "sweep", "depth", "backends", "tricks")
 
 
 def _problem(model: str, layers: int, mesh: str = "2x4", **overrides):
@@ -105,6 +108,30 @@ def depth(depths, time_limit) -> list[dict]:
     return rows
 
 
+def tricks(time_limit) -> list[dict]:
+    """What follower merging and layer reuse cost in step time, and how many memory rows the
+    ends-only recurrence keeps, on a GPT small enough for every variant to solve to optimality."""
+    config = {"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 8}
+    rows = []
+    for merge in (True, False):
+        ref = build("gpt", **config)
+        built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                    mesh="2x4", cluster="v100-nvlink", merge=merge)
+        problem = built.problem
+        reference = solvers.reference_plan(problem, time_limit=time_limit)
+        budget = int(0.75 * reference.peak_bytes)
+        for reuse in ((False, True) if merge else (False,)):
+            row = _row(problem, "kiwi", budget, reference, time_limit=time_limit,
+                       reuse_layers=reuse)
+            joint = solvers.joint.build_joint(problem, budget,
+                                              tie=solvers.layer_ties(problem) if reuse else None)
+            rows.append({"model": "gpt", **config, "merge": merge,
+                         "strategy_variables": int(len(problem.leaders)),
+                         "operators": problem.num_nodes, "memory_rows": int(len(joint.u_vars)),
+                         **row})
+    return rows
+
+
 def backends(model, layers, time_limit, **overrides) -> list[dict]:
     problem, _ = _problem(model, layers, **overrides)
     reference = solvers.reference_plan(problem, time_limit=time_limit)
@@ -122,7 +149,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--quick", action="store_true",
                         help="small models only (a minute on 2 cores)")
-    parser.add_argument("--time-limit", type=float, default=300.0)
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    parser.add_argument("--models", nargs="*", default=["gpt", "bert"])
+    parser.add_argument("--fractions", type=float, nargs="*",
+                        default=[1.0, 0.8, 0.6, 0.5, 0.4, 0.3])
+    parser.add_argument("--depths", type=int, nargs="*", default=[8, 20])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = {"study": "solver_bench", "quick": args.quick}
@@ -140,14 +171,15 @@ def main(argv=None) -> dict:
             result["backends"] = backends("mlp", 3, args.time_limit, batch=1024, width=512)
     else:
         if "targets" in args.sections:
-            result["targets"] = targets(("gpt", "bert"), 4, args.time_limit)
+            result["targets"] = targets(args.models, 4, args.time_limit)
         if "depth" in args.sections:
-            result["depth"] = depth((8, 20), args.time_limit)
+            result["depth"] = depth(args.depths, args.time_limit)
         if "backends" in args.sections:
             result["backends"] = backends("mlp", 7, args.time_limit, batch=2048, width=1024)
         if "sweep" in args.sections:
-            result["sweep"] = sweep(("gpt", "bert"), 4, (1.0, 0.8, 0.6, 0.5, 0.4, 0.3),
-                                    args.time_limit)
+            result["sweep"] = sweep(args.models, 4, args.fractions, args.time_limit)
+        if "tricks" in args.sections:
+            result["tricks"] = tricks(max(args.time_limit, 300.0))
     write_result("solver_bench", result)
     if args.json:
         print(json.dumps(result))

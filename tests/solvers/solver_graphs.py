@@ -80,9 +80,11 @@ def chain_problem() -> ShardingProblem:
     return make_problem(phases, edges, compute, memory, outputs=(3, 7))
 
 
-def random_problem(seed: int, layers: int = 2, width: int = 2) -> ShardingProblem:
+def random_problem(seed: int, layers: int = 2, width: int = 2,
+                   max_strategies: int = 3) -> ShardingProblem:
     """A random train-step-like problem: per layer a few forward ops, the mirrored backward
-    ops reading them, an optimizer update per parameter; 1-3 strategies per node."""
+    ops reading them, an optimizer update per parameter; 1 to ``max_strategies`` strategies per
+    node."""
     rng = np.random.default_rng(seed)
     phases, edges = [], []
 
@@ -110,7 +112,8 @@ def random_problem(seed: int, layers: int = 2, width: int = 2) -> ShardingProble
         grads.append(node(BACKWARD, [g, acts[layer][0]]))
     updates = [node(OPTIMIZER, [grad, params[layers - 1 - k]]) for k, grad in enumerate(grads)]
     n = len(phases)
-    k = [1 if phases[i] == PARAM and i == x else int(rng.integers(1, 4)) for i in range(n)]
+    k = [1 if phases[i] == PARAM and i == x else int(rng.integers(1, max_strategies + 1))
+         for i in range(n)]
     compute = [rng.uniform(0.5, 3.0, k[i]) for i in range(n)]
     comm = [rng.uniform(0.0, 1.0, k[i]) * (k[i] > 1) for i in range(n)]
     memory = [rng.integers(10, 100, k[i]) for i in range(n)]
