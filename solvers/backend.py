@@ -94,10 +94,6 @@ class Model:
     def num_rows(self) -> int:
         return len(self._rows)
 
-    @property
-    def ub(self) -> np.ndarray:
-        return np.concatenate(self._ub) if self._ub else np.zeros(0)
-
     def arrays(self):
         """``(A (csr), lo, hi, lb, ub, cost, integer, resolution, offset)``."""
         n = self.num_vars

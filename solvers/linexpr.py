@@ -34,11 +34,6 @@ class Expr:
     def is_constant(self) -> bool:
         return not len(self.indices)
 
-    def value(self, x: np.ndarray) -> float:
-        """The expression at a point ``x``."""
-        return float(self.constant + self.coefs @ x[self.indices]) if len(self.indices) \
-            else self.constant
-
     def upper(self, ub: np.ndarray) -> float:
         """Its largest value for variables in [0, ub] (coefficients >= 0 assumed)."""
         return float(self.constant + np.maximum(self.coefs, 0) @ ub[self.indices])

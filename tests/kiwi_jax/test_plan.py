@@ -97,3 +97,20 @@ def test_cli_plan_infeasible_budget_names_the_smallest(capsys):
     assert "smallest feasible budget for alpa is" in captured.err
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["feasible"] is False and result["min_feasible_budget_bytes"] > 1024
+
+
+def test_make_plan_of_a_traced_step_round_trips_through_json():
+    from kiwi_jax.frontend import trace
+    from kiwi_jax.plan import Plan, describe_node, make_plan
+
+    ref = build("mlp", layers=2, batch=256, width=128, in_dim=128, out_dim=128)
+    traced = trace(ref.train_step, *ref.abstract_init(), ref.abstract_batch())
+    plan, built = make_plan(traced, "2x4", "v100-nvlink", "90%", solver="kiwi")
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert len(plan.strategy) == len(plan.specs) == built.problem.num_nodes
+    again = Plan.from_json(plan.to_json())
+    assert again.strategy.tolist() == plan.strategy.tolist()
+    assert again.keep.tolist() == plan.keep.tolist()
+    assert again.specs == plan.specs
+    assert again.summary() == plan.summary()
+    assert "keep" in describe_node(built, plan, int(built.problem.leaders[-1]))
