@@ -84,7 +84,7 @@ def sweep(models, layers, fractions, time_limit) -> list[dict]:
     rows = []
     for model in models:
         problem, _ = _problem(model, layers)
-        reference = solvers.reference_plan(problem, time_limit=time_limit, reuse_layers=True)
+        reference = solvers.reference_plan(problem, time_limit=time_limit)
         for fraction in fractions:
             budget = int(fraction * reference.peak_bytes)
             for solver in ("alpa", "alpa+dots", "alpa+megatron", "alpa+full", "kiwi"):
@@ -100,7 +100,7 @@ def depth(depths, time_limit) -> list[dict]:
         start = time.perf_counter()
         problem, timings = _problem("gpt", layers)
         built = time.perf_counter() - start
-        reference = solvers.reference_plan(problem, time_limit=time_limit, reuse_layers=True)
+        reference = solvers.reference_plan(problem, time_limit=time_limit)
         row = _row(problem, "kiwi", int(0.8 * reference.peak_bytes), reference,
                    time_limit=time_limit, reuse_layers=True)
         rows.append({"model": "gpt", "layers": layers, "operators": problem.num_nodes,

@@ -104,7 +104,9 @@ def resolve_budget(budget, problem, **options) -> int:
         fraction = float(budget.strip()[:-1]) / 100.0
         if not fraction > 0:
             raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
-        return int(fraction * solvers.reference_plan(problem, **options).peak_bytes)
+        reference = solvers.reference_plan(
+            problem, **{k: v for k, v in options.items() if k in ("backend", "time_limit")})
+        return int(fraction * reference.peak_bytes)
     return parse_bytes(budget)
 
 
@@ -128,9 +130,7 @@ def make_plan(traced: TracedStep, mesh, cluster, memory_budget, solver: str = "k
     mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
     build = build_problem(traced.graph, mesh, cluster, merge=merge)
     problem = build.problem
-    reference_options = {k: v for k, v in options.items()
-                         if k in ("backend", "time_limit", "reuse_layers")}
-    budget = resolve_budget(memory_budget, problem, **reference_options)
+    budget = resolve_budget(memory_budget, problem, **options)
     start = time.perf_counter()
     solution = solvers.solve(problem, budget, solver=solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
