@@ -60,6 +60,35 @@ class FullModel(JointModel):
                 out.setdefault(i, []).append(t)
         return {i: tuple(ts) for i, ts in out.items()}
 
+    pres_vars: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    """(stage, forward node) -> index of its residency binary."""
+
+    def hint(self, problem: ShardingProblem, strategy, keep=None, recompute_at=None):
+        """Strategy binaries and, for a recomputation schedule (a reduced plan's, say), the
+        recompute and residency binaries: each copy resident until its last use."""
+        values = super().hint(problem, strategy)
+        if recompute_at is None:
+            return values
+        readers: dict[int, list[int]] = {}
+        for src, dst, _slot in problem.edges:
+            readers.setdefault(int(src), []).append(int(dst))
+        uses: dict[int, list[int]] = {}
+        for i, stages in recompute_at.items():
+            for t in stages:
+                for src, dst, _slot in problem.edges:
+                    if int(dst) == i:
+                        uses.setdefault(int(src), []).append(t)
+        for (t, i), index in self.a_vars.items():
+            values[index] = float(t in recompute_at.get(i, ()))
+        for (t, i), index in self.pres_vars.items():
+            copies = sorted({i, *recompute_at.get(i, ())})
+            needed = sorted(readers.get(i, []) + uses.get(i, []))
+            copy = max(c for c in copies if c <= t)
+            later = [u for u in needed if u >= t and u >= copy]
+            served = [u for u in later if max(c for c in copies if c <= u) == copy]
+            values[index] = float(bool(served) and copy < t)
+        return values
+
     def decode(self, problem: ShardingProblem, x: np.ndarray, fixed_keep=None):
         strategy, _ = super().decode(problem, x, None)
         keep = np.ones(problem.num_nodes, bool)
@@ -163,4 +192,4 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
         peak_var = b.limit_memory(terms, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,
-                     b.u_vars, a_vars=a)
+                     b.u_vars, a_vars=a, pres_vars=pres)
