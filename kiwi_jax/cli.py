@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 __all__ = ["main"]
 
@@ -82,6 +83,7 @@ def _cmd_plan(args) -> dict:
            "reuse_layers": args.reuse_layers, "operators": problem.num_nodes,
            "ideal_compute_seconds": problem.ideal_compute_seconds(),
            **{k: round(v, 3) for k, v in timings.items()}}
+    start = time.perf_counter()
     try:
         solution = solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
                                  seed=args.seed, threads=args.threads, **options)
@@ -90,17 +92,24 @@ def _cmd_plan(args) -> dict:
         out.update(status="infeasible", feasible=False,
                    min_feasible_budget_bytes=err.min_feasible_bytes)
         return out
+    except (solvers.SolverTimeoutError, solvers.SolverUnavailableError,
+            solvers.SolverError) as err:
+        print(f"kiwi-jax plan: {err}", file=sys.stderr)
+        out.update(status="error", feasible=False, error=str(err))
+        return out
+    wall = time.perf_counter() - start
     sim = solvers.simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
     out.update(
         status=solution.status.value, feasible=True, gap=solution.gap,
-        solve_seconds=solution.solve_seconds, model_build_seconds=solution.build_seconds,
+        solve_seconds=solution.solve_seconds, solve_wall_seconds=wall,
+        model_build_seconds=solution.build_seconds,
         num_vars=solution.num_vars, num_constraints=solution.num_constraints,
         predicted_step_seconds=solution.objective,
         predicted_peak_bytes=solution.claimed_peak_bytes,
         simulated_step_seconds=sim.step_seconds, simulated_peak_bytes=sim.peak_bytes,
         recompute_seconds=sim.recompute_seconds, recomputed_nodes=int(len(solution.recomputed)))
     print(f"{args.solver} on {args.model} ({problem.num_nodes} operators), mesh {args.mesh}, "
-          f"{build.cluster.name}: {solution.status.value} in {solution.solve_seconds:.2f} s "
+          f"{build.cluster.name}: {solution.status.value} in {wall:.2f} s, warm start included "
           f"({solution.num_vars} variables, {solution.num_constraints} constraints)")
     print(f"step {sim.step_seconds * 1e3:.3f} ms (ideal compute "
           f"{problem.ideal_compute_seconds() * 1e3:.3f} ms, recomputation "
