@@ -33,11 +33,13 @@ log = logging.getLogger(__name__)
 SECTIONS = ("targets", "sweep", "depth", "backends", "tricks")
 
 
-def _problem(model: str, layers: int, mesh: str = "2x4", **overrides):
-    kwargs = {"preset": "kiwi"} if model in ("gpt", "bert") else {}
+def _problem(model: str, layers: int, mesh: str = "2x4", merge: bool = True, **overrides):
+    """The problem of a reference model (KIWI's layer config for gpt and bert unless
+    overridden)."""
+    kwargs = {"preset": "kiwi"} if model in ("gpt", "bert") and not overrides else {}
     ref = build(model, layers=layers, **kwargs, **overrides)
     built, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                      mesh=mesh, cluster="v100-nvlink")
+                                      mesh=mesh, cluster="v100-nvlink", merge=merge)
     return built.problem, timings
 
 
@@ -111,13 +113,10 @@ def depth(depths, time_limit) -> list[dict]:
 def tricks(time_limit) -> list[dict]:
     """What follower merging and layer reuse cost in step time, and how many memory rows the
     ends-only recurrence keeps, on a GPT small enough for every variant to solve to optimality."""
-    config = {"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 8}
+    config = {"hidden": 256, "heads": 4, "seq": 128, "batch": 8}
     rows = []
     for merge in (True, False):
-        ref = build("gpt", **config)
-        built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                    mesh="2x4", cluster="v100-nvlink", merge=merge)
-        problem = built.problem
+        problem, _ = _problem("gpt", 2, merge=merge, **config)
         reference = solvers.reference_plan(problem, time_limit=time_limit)
         budget = int(0.75 * reference.peak_bytes)
         for reuse in ((False, True) if merge else (False,)):
@@ -125,7 +124,7 @@ def tricks(time_limit) -> list[dict]:
                        reuse_layers=reuse)
             joint = solvers.joint.build_joint(problem, budget,
                                               tie=solvers.layer_ties(problem) if reuse else None)
-            rows.append({"model": "gpt", **config, "merge": merge,
+            rows.append({"model": "gpt", "layers": 2, **config, "merge": merge,
                          "strategy_variables": int(len(problem.leaders)),
                          "operators": problem.num_nodes, "memory_rows": int(len(joint.u_vars)),
                          **row})

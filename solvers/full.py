@@ -69,20 +69,16 @@ class FullModel(JointModel):
         values = super().hint(problem, strategy)
         if recompute_at is None:
             return values
-        readers: dict[int, list[int]] = {}
-        for src, dst, _slot in problem.edges:
-            readers.setdefault(int(src), []).append(int(dst))
-        uses: dict[int, list[int]] = {}
+        readers, operands = problem.readers(), problem.operands()
+        uses: dict[int, list[int]] = {}           # recomputations read their operands too
         for i, stages in recompute_at.items():
-            for t in stages:
-                for src, dst, _slot in problem.edges:
-                    if int(dst) == i:
-                        uses.setdefault(int(src), []).append(t)
+            for src in operands[i]:
+                uses.setdefault(src, []).extend(stages)
         for (t, i), index in self.a_vars.items():
             values[index] = float(t in recompute_at.get(i, ()))
         for (t, i), index in self.pres_vars.items():
             copies = sorted({i, *recompute_at.get(i, ())})
-            needed = sorted(readers.get(i, []) + uses.get(i, []))
+            needed = sorted(readers[i] + uses.get(i, []))
             copy = max(c for c in copies if c <= t)
             later = [u for u in needed if u >= t and u >= copy]
             served = [u for u in later if max(c for c in copies if c <= u) == copy]
@@ -101,12 +97,10 @@ def _horizons(p: ShardingProblem, forward: np.ndarray) -> np.ndarray:
     a forward reader (which may be recomputed that late)."""
     n = p.num_nodes
     horizon = np.minimum(p.live, n - 1).astype(np.int64)
-    readers: dict[int, list[int]] = {}
-    for src, dst, _slot in p.edges:
-        readers.setdefault(int(src), []).append(int(dst))
+    readers = p.readers()
     for i in reversed(range(n)):
         if forward[i]:
-            for j in readers.get(i, ()):
+            for j in readers[i]:
                 if forward[j]:
                     horizon[i] = max(horizon[i], horizon[j])
     return horizon
@@ -127,9 +121,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     cost = b.node_costs()
     forward = p.phase == FORWARD
     horizon = _horizons(p, forward)
-    operands: dict[int, list[int]] = {}
-    for src, dst, _slot in p.edges:
-        operands.setdefault(int(dst), []).append(int(src))
+    operands = p.operands()
     reads_forward = np.zeros(n, bool)
     for src, dst, _slot in p.edges:
         if forward[src] and not forward[dst]:
@@ -159,11 +151,11 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
         if (t, i) in a:
             model.add_row(var(index) + var(a[t, i]), -np.inf, 1.0)
     for t in np.flatnonzero(~forward & (p.phase != PARAM)):               # eq. 12
-        for i in operands.get(int(t), ()):
+        for i in operands[int(t)]:
             if droppable[i]:
                 model.add_row(available(int(t), i), 1.0, np.inf)
     for (t, j), index in a.items():
-        for i in operands.get(j, ()):
+        for i in operands[j]:
             if droppable[i]:
                 model.add_row(available(t, i) - var(index), 0.0, np.inf)
 

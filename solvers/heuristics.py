@@ -31,11 +31,9 @@ def _apply(problem: ShardingProblem, want_recompute: np.ndarray) -> np.ndarray:
     """Recompute the wanted recomputable nodes that eq. 9 allows, in topological order."""
     recomputable = (problem.phase == FORWARD) & problem.z
     keep = np.ones(problem.num_nodes, bool)
-    operands: dict[int, list[int]] = {}
-    for src, dst, _slot in problem.edges:
-        operands.setdefault(int(dst), []).append(int(src))
+    operands = problem.operands()
     for j in np.flatnonzero(want_recompute & recomputable):
-        if all(keep[i] for i in operands.get(int(j), ()) if recomputable[i]):
+        if all(keep[i] for i in operands[j] if recomputable[i]):
             keep[j] = False
     return keep
 

@@ -99,6 +99,20 @@ class ShardingProblem:
         """Ids of the nodes that carry a strategy variable."""
         return np.flatnonzero(self.leader == np.arange(self.num_nodes))
 
+    def operands(self) -> list[list[int]]:
+        """Per node, the nodes it reads (one entry per edge, in edge order)."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for src, dst, _slot in self.edges:
+            out[int(dst)].append(int(src))
+        return out
+
+    def readers(self) -> list[list[int]]:
+        """Per node, the nodes that read it (one entry per edge, in edge order)."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for src, dst, _slot in self.edges:
+            out[int(src)].append(int(dst))
+        return out
+
     def node_cost(self, i: int) -> np.ndarray:
         """c_i + d_i per strategy of node i."""
         return self.compute[i] + self.comm[i]

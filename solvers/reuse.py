@@ -29,7 +29,7 @@ import numpy as np
 
 from solvers.problem import PHASES, ShardingProblem
 
-__all__ = ["layer_ties"]
+__all__ = ["layer_ties", "has_ties"]
 
 _DIGITS = re.compile(r"\d+")
 PARAM = PHASES.index("param")
@@ -98,3 +98,8 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
             seen.setdefault(signature, i)
     assert (tie[tie] == tie).all()
     return tie
+
+
+def has_ties(tie: np.ndarray) -> bool:
+    """Whether a tie map ties anything (the graph has repeated layers)."""
+    return bool((tie != np.arange(len(tie))).any())

@@ -97,9 +97,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
                              f"recomputations run after stage {i} and before stage {n}")
         creations[i] = sorted({i, *stages})
 
-    operands: dict[int, list[int]] = {}
-    for src, dst, _slot in problem.edges:
-        operands.setdefault(int(dst), []).append(int(src))
+    operands = problem.operands()
     served_until = [{c: c for c in cs} for cs in creations]
     recomputed_in: dict[int, list[int]] = {}
     for i in sorted(recompute_at):
@@ -114,9 +112,9 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
 
     for t in range(n):
         for i in recomputed_in.get(t, ()):
-            for src in operands.get(i, ()):
+            for src in operands[i]:
                 use(src, t)
-        for src in operands.get(t, ()):
+        for src in operands[t]:
             use(src, t)
     for i in np.flatnonzero(problem.is_output):
         use(int(i), n)

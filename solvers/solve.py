@@ -19,7 +19,7 @@ from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
 from solvers.joint import build_joint
 from solvers.problem import ShardingProblem
-from solvers.reuse import layer_ties
+from solvers.reuse import has_ties, layer_ties
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status)
@@ -156,8 +156,7 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
        plan is a plan of the full program, which gets the rest to improve on it.
     """
     deadline = time.perf_counter() + time_limit
-    ties = layer_ties(problem)
-    tied = solver != "kiwi-full" and (reuse_layers or (ties != np.arange(len(ties))).any())
+    tied = solver != "kiwi-full" and (reuse_layers or has_ties(layer_ties(problem)))
     options = {"backend": backend, "mip_gap": 1e-4, "seed": 0, "threads": 1,
                "reuse_layers": tied}
     plan = None
@@ -189,13 +188,21 @@ def _improve(problem, budget, solver, plan: Solution, seconds: float, options) -
     return better if better is not None and better.objective <= plan.objective else plan
 
 
+def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap):
+    """Solve the peak-minimising program: ``(backend result, model, decoded plan)``, the plan
+    None when no incumbent was found."""
+    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
+    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap)
+    plan = None if result.x is None else _decode(joint, problem, result.x, fixed)
+    return result, joint, plan
+
+
 def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:
     """A plan under ``budget`` from the peak-minimising program (None if none found in time)."""
-    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
-    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-2)
-    if result.x is None:
+    result, joint, plan = _min_peak(problem, solver, backend, time_limit, reuse_layers, 1e-2)
+    if plan is None:
         return None
-    strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
+    strategy, keep, schedule, sim = plan
     if sim.peak_bytes > budget:
         return None
     log.info("%s: warm start from a plan peaking at %d bytes (%.2f s)", solver, sim.peak_bytes,
@@ -218,11 +225,10 @@ def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
       ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
       when the search finished). ``(None, None)`` when the search found no plan.
     """
-    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
-    result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-6)
-    if result.x is None:
+    result, joint, plan = _min_peak(problem, solver, backend, time_limit, reuse_layers, 1e-6)
+    if plan is None:
         return None, None
-    upper = _decode(joint, problem, result.x, fixed)[3].peak_bytes
+    upper = plan[3].peak_bytes
     lower = upper if result.status == Status.OPTIMAL \
         else min(upper, int(np.floor(result.bound * joint.units.bytes)))
     return lower, upper
@@ -243,7 +249,7 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
     fastest = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit)
     fixed = RULES["alpa"](problem)
     ties = layer_ties(problem)
-    for tie in ([ties, None] if (ties != np.arange(len(ties))).any() else [None]):
+    for tie in ([ties, None] if has_ties(ties) else [None]):
         joint = build_joint(problem, None, fixed_keep=fixed, minimize_peak=True, tie=tie,
                             max_seconds=fastest.objective * (1 + 1e-7))
         hint = joint.hint(problem, fastest.strategy) if tie is None else None
