@@ -47,6 +47,7 @@ _BITS = {"pred": 8, "token": 0, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8
 
 
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
+_OP_NAME_RE = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 
 
 class CompiledAnalysisError(ValueError):
@@ -71,6 +72,8 @@ class Collective:
     """Instruction name, without the leading ``%``."""
     shape: str
     """Result shape as printed in the HLO text (layouts included)."""
+    op_name: str = ""
+    """The instruction's ``metadata={op_name=...}`` (the jax source it came from), or ""."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +280,9 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
         seen.add((computation, name))
         close = _matching(rest, op.end() - 1)
         operand_sizes = _operand_bytes(rest[op.end():close], symbols, name)
+        op_name = m_name["op_name"] if (m_name := _OP_NAME_RE.search(rest, close)) else ""
         if kind == "collective-permute":
-            found.append(Collective(kind, (), 0, operand_sizes[0], name, shape))
+            found.append(Collective(kind, (), 0, operand_sizes[0], name, shape, op_name))
             continue
         groups = parse_replica_groups(rest[close:]) or (tuple(sorted(int(d) for d in mesh_ids.flat)),)
         sizes = {len(g) for g in groups}
@@ -286,7 +290,8 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
             raise HloParseError(f"expected equal-sized replica groups in {name!r}, found sizes {sorted(sizes)}")
         group_size = sizes.pop()
         nbytes = sum(operand_sizes) * (group_size if kind == "all-gather" else 1)
-        found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes, name, shape))
+        found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes, name, shape,
+                                op_name))
     return tuple(found)
 
 
