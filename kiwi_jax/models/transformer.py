@@ -126,7 +126,9 @@ class Attention(nnx.Module):
         self.causal = config.causal
         dense = dict(dtype=config.dtype, param_dtype=config.dtype, rngs=rngs)
         self.q = nnx.Linear(config.hidden, config.hidden, **dense)
-        self.k = nnx.Linear(config.hidden, config.hidden, **dense)
+        # No key bias: it adds q.b_k to every score of a query, which softmax cancels, so its
+        # gradient is zero in exact arithmetic and Adam would turn rounding noise into updates.
+        self.k = nnx.Linear(config.hidden, config.hidden, use_bias=False, **dense)
         self.v = nnx.Linear(config.hidden, config.hidden, **dense)
         self.o = nnx.Linear(config.hidden, config.hidden, **dense)
 
