@@ -90,13 +90,15 @@ class InfeasibleBudgetError(ValueError):
     """No plan of this solver fits the per-device memory budget."""
 
     def __init__(self, solver: str, budget_bytes: int, min_feasible_bytes: int | None,
-                 lower_bound_bytes: int | None = None):
+                 lower_bound_bytes: int | None = None, searched: bool = True):
         self.solver, self.budget_bytes = solver, budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         """Smallest budget known to be feasible (None: none found)."""
         self.lower_bound_bytes = lower_bound_bytes
         """No budget under this is feasible."""
-        if min_feasible_bytes is None:
+        if not searched:
+            smallest = "the smallest feasible budget was not searched for"
+        elif min_feasible_bytes is None:
             smallest = "the search for a feasible budget found none in its time limit"
         elif lower_bound_bytes is not None and lower_bound_bytes < min_feasible_bytes:
             smallest = (f"the smallest feasible budget for {solver} lies between "

@@ -52,7 +52,8 @@ def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
 def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
           backend: str = DEFAULT_BACKEND, time_limit: float = 60.0, mip_gap: float = 1e-4,
           seed: int = 0, threads: int = 1, reuse_layers: bool = False,
-          warm_start: Solution | str | None = "auto") -> Solution:
+          warm_start: Solution | str | None = "auto",
+          search_min_feasible: bool = True) -> Solution:
     """Plan ``problem`` under a per-device budget (None: no memory limit).
 
     Args:
@@ -70,6 +71,8 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
         (default): under a budget, first find a plan that fits (the backends' own heuristics
         often find none on large graphs) from the tied program of repeated layers or from the
         peak-minimising program (see :func:`_warm_start`); None: no warm start.
+      search_min_feasible: when no plan fits, search the smallest feasible budget for the
+        error (several more solves); False: raise at once.
 
     Raises:
       InfeasibleBudgetError: no plan fits; carries the smallest feasible budget.
@@ -86,6 +89,8 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
                "reuse_layers": reuse_layers}
     solution = _solve(problem, budget_bytes, solver, warm_start,
                       max(deadline - time.perf_counter(), 1.0), **options)
+    if solution is None and not search_min_feasible:
+        raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:
         low, high = min_feasible_budget(problem, solver, backend=backend,
                                         time_limit=time_limit, reuse_layers=reuse_layers)
