@@ -15,18 +15,20 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hlo_tools.graph import OpGraph, Phase
-from hlo_tools.lower import lower_to_graph
+from hlo_tools.graph import OpGraph, Phase, graph_from_text
+from hlo_tools.lower import lower_to_hlo
 from kiwi_jax.interpret import Interpreter, tag_of, trace_flat
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep
 
-__all__ = ["TracedStep", "trace_for_planning", "applied_function"]
+__all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,9 @@ class TracedStep:
     """``(equation path, output index) -> node id`` where that output is enforced."""
     out_tree: object
     """Pytree structure of the step's outputs."""
+    fingerprint: str
+    """SHA-256 of the step's HLO without its metadata (source lines, op names): equal for the
+    same computation on the same shapes."""
 
     def node_paths(self) -> dict[int, tuple[str, int]]:
         """Inverse of ``representative``."""
@@ -91,8 +96,24 @@ def trace_for_planning(pure: PureStep) -> TracedStep:
     def tagged(*args):
         return jax.tree.unflatten(out_tree, interpreter(*jax.tree.leaves(args)))
 
-    graph = lower_to_graph(tagged, *pure.args)
-    return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree)
+    text = lower_to_hlo(tagged, *pure.args)
+    graph = graph_from_text(text)
+    return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree,
+                      fingerprint(text))
+
+
+_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
+
+
+_SOURCE_TABLES = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)$"
+                            r"(?:\n\s*\d+ .*$)*", re.MULTILINE)
+
+
+def fingerprint(hlo_text: str) -> str:
+    """SHA-256 of HLO text without its metadata and source tables (file names, lines, stack
+    frames): the same computation called from elsewhere has the same fingerprint."""
+    text = _SOURCE_TABLES.sub("", _METADATA.sub("", hlo_text))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh):

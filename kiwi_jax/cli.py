@@ -4,6 +4,9 @@ Subcommands:
   problem   build the costed sharding problem of a reference model and print its size.
   plan      solve it under a per-device memory budget with one of the solvers and check the
             plan with the simulator.
+  verify    plan, apply and compile the step on the mesh (8 simulated CPU devices by default),
+            compare compiled memory and collectives with the plan and run it against the plain
+            step.
 
 Every subcommand prints a human-readable summary and, with ``--json``, a JSON object as the last
 line of stdout.
@@ -119,6 +122,65 @@ def _cmd_plan(args) -> dict:
     return out
 
 
+def _cmd_verify(args) -> dict:
+    import jax
+
+    import solvers
+    from hlo_tools.compiled import device_memory
+    from kiwi_jax.cluster import MeshSpec
+    from kiwi_jax.optimize import optimize
+    from kiwi_jax.step import functionalize
+
+    ref = _reference(args)
+    shape = MeshSpec.parse(args.mesh).shape
+    if jax.device_count() < shape[0] * shape[1]:
+        raise ValueError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
+                         f"{jax.device_count()}; on CPU set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={shape[0] * shape[1]}")
+    mesh = jax.make_mesh(shape, ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    step = optimize(ref.train_step, mesh=mesh, memory_budget=args.budget, cluster=args.cluster,
+                    solver=args.solver, backend=args.backend, time_limit=args.time_limit,
+                    mip_gap=args.gap, cache_dir=False if args.no_cache else args.cache_dir)
+    concrete = (*ref.init(0), ref.batch(0))
+    out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
+           "cluster": args.cluster}
+    start = time.perf_counter()
+    try:
+        report = step.verify(*concrete, steps=args.steps)
+    except solvers.InfeasibleBudgetError as err:
+        print(f"kiwi-jax verify: {err}", file=sys.stderr)
+        out.update(status="infeasible", feasible=False,
+                   min_feasible_budget_bytes=err.min_feasible_bytes)
+        return out
+    prepared = step.prepared
+    pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
+    plain = device_memory(jax.jit(pure.fn).lower(*pure.args).compile()).peak_bytes
+    out.update(prepared.plan.summary(), **report.to_dict(), feasible=True,
+               plain_compiled_peak_bytes=plain, plain_fits=plain <= report.budget_bytes,
+               plan_seconds=prepared.plan_seconds, compile_seconds=prepared.compile_seconds,
+               plan_cached=prepared.cached, verify_seconds=time.perf_counter() - start)
+    plan = prepared.plan
+    print(f"{args.solver} plan for {args.model} on a {args.mesh} mesh ({args.cluster}): "
+          f"{plan.status}, {len(plan.recomputed)} forward values recomputed, predicted step "
+          f"{plan.predicted_step_seconds * 1e3:.3f} ms; planned in {prepared.plan_seconds:.1f} s"
+          f"{' (cached)' if prepared.cached else ''}, compiled in "
+          f"{prepared.compile_seconds:.1f} s")
+    print(f"plain step (one device, no plan): {plain / 2**20:.3f} MiB compiled, "
+          f"{'fits' if plain <= report.budget_bytes else 'does not fit'} the "
+          f"{report.budget_bytes / 2**20:.3f} MiB budget")
+    print(report.table())
+    if args.explain:
+        step.explain()
+    if args.png:
+        from kiwi_jax.explain import plot_memory_timeline
+
+        plot_memory_timeline(prepared.build, plan, args.png)
+        print(f"memory timeline: {args.png}")
+        out["png"] = args.png
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kiwi-jax", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -141,6 +203,21 @@ def main(argv=None) -> int:
     plan.add_argument("--reuse-layers", action="store_true",
                       help="one decision per operator of identical layers (faster solves)")
     plan.set_defaults(run=_cmd_plan)
+    verify = sub.add_parser("verify", help="plan, apply, compile and check the step")
+    _model_args(verify)
+    verify.add_argument("--budget", default="60%", help="per-device budget, as for plan")
+    verify.add_argument("--solver", default="kiwi", help="alpa, alpa+dots, alpa+megatron, "
+                        "alpa+full, kiwi")
+    verify.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
+    verify.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+    verify.add_argument("--gap", type=float, default=1e-3, help="relative optimality gap")
+    verify.add_argument("--steps", type=int, default=3, help="steps compared with the plain step")
+    verify.add_argument("--explain", action="store_true", help="print the plan per layer")
+    verify.add_argument("--png", default=None, help="write the memory timeline to this PNG")
+    verify.add_argument("--cache-dir", default=None, help="plan cache (default "
+                        "$KIWI_JAX_CACHE_DIR or ~/.cache/kiwi-jax)")
+    verify.add_argument("--no-cache", action="store_true", help="always solve")
+    verify.set_defaults(run=_cmd_verify)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

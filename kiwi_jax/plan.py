@@ -21,7 +21,7 @@ from kiwi_jax.sharding import Comm, reshard_comms, spec_str
 import solvers
 from solvers.simulator import simulate
 
-__all__ = ["Plan", "make_plan", "resolve_budget", "predicted_comms"]
+__all__ = ["Plan", "make_plan", "solve_plan", "resolve_budget", "predicted_comms"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class Plan:
     """Solver objective."""
     ideal_compute_seconds: float
     """Total FLOPs / (devices x peak FLOP/s)."""
+    solver_budget_bytes: int | None = None
+    """Budget the solver was given when it differs from ``budget_bytes``: tightened after the
+    compiled step of a first plan came out over the budget (see ``kiwi_jax.optimize``)."""
 
     def summary(self) -> dict:
         return {
@@ -70,11 +73,13 @@ class Plan:
             "predicted_peak_bytes": int(self.predicted_peak_bytes),
             "recomputed_nodes": len(self.recomputed), "solve_seconds": self.solve_seconds,
             "ideal_compute_seconds": self.ideal_compute_seconds,
+            "solver_budget_bytes": self.solver_budget_bytes,
         }
 
     def to_json(self) -> str:
         data = self.summary()
-        data.update(strategy=self.strategy.tolist(), keep=self.keep.tolist(),
+        data.update(objective=self.objective, strategy=self.strategy.tolist(),
+                    keep=self.keep.tolist(),
                     node_names=list(self.node_names),
                     specs=[[list(axes) for axes in spec] for spec in self.specs])
         return json.dumps(data)
@@ -93,7 +98,8 @@ class Plan:
             predicted_step_seconds=data["predicted_step_seconds"],
             predicted_peak_bytes=data["predicted_peak_bytes"],
             solve_seconds=data["solve_seconds"], objective=data.get("objective", 0.0),
-            ideal_compute_seconds=data.get("ideal_compute_seconds", ideal))
+            ideal_compute_seconds=data.get("ideal_compute_seconds", ideal),
+            solver_budget_bytes=data.get("solver_budget_bytes"))
 
 
 def resolve_budget(budget, problem, **options) -> int:
@@ -127,24 +133,28 @@ def make_plan(traced: TracedStep, mesh, cluster, memory_budget, solver: str = "k
     Raises:
       solvers.InfeasibleBudgetError: no plan fits; the message names the smallest budget that does.
     """
-    mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
-    build = build_problem(traced.graph, mesh, cluster, merge=merge)
+    build = build_problem(traced.graph, MeshSpec.parse(mesh), Cluster.parse(cluster), merge=merge)
+    return solve_plan(build, memory_budget, solver, **options), build
+
+
+def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **options) -> Plan:
+    """Solve a built problem under a budget (bytes, ``"6GiB"`` or ``"80%"``) and simulate the
+    result. ``options`` go to :func:`solvers.solve`."""
     problem = build.problem
     budget = resolve_budget(memory_budget, problem, **options)
     start = time.perf_counter()
     solution = solvers.solve(problem, budget, solver=solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
     sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
-    plan = Plan(
-        solver=solver, status=str(solution.status.name.lower()), mesh_shape=mesh.shape,
-        cluster=cluster.name, budget_bytes=budget, strategy=np.asarray(solution.strategy),
+    return Plan(
+        solver=solver, status=str(solution.status.name.lower()), mesh_shape=build.mesh.shape,
+        cluster=build.cluster.name, budget_bytes=budget, strategy=np.asarray(solution.strategy),
         keep=np.asarray(solution.keep),
         recomputed=tuple(int(i) for i in solution.recomputed),
         specs=tuple(build.strategies[i][int(s)].out for i, s in enumerate(solution.strategy)),
         node_names=problem.names, predicted_step_seconds=float(sim.step_seconds),
         predicted_peak_bytes=int(sim.peak_bytes), solve_seconds=float(solution.solve_seconds),
         objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds())
-    return plan, build
 
 
 def describe_node(build: ProblemBuild, plan: Plan, node_id: int) -> str:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 from flax import nnx
 
-__all__ = ["PureStep", "functionalize"]
+__all__ = ["PureStep", "functionalize", "carried_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,23 @@ def functionalize(train_step: Callable, args: tuple) -> PureStep:
         return result, nnx.state(objects)
 
     return PureStep(pure, (state, *others), "nnx", graphdef, positions)
+
+
+def carried_state(pure: PureStep, outputs) -> int | None:
+    """Position, among the step's outputs, of the updated first argument (the train state), or
+    None when no output has its structure.
+
+    NNX steps return ``(result, new_state)``: position 1. Linen steps ``(state, metrics)``:
+    position 0 when that output has the state's tree structure and shapes.
+    """
+    if pure.style == "nnx":
+        return 1
+    if not isinstance(outputs, (tuple, list)) or not pure.args:
+        return None
+    signature = lambda tree: (jax.tree.structure(tree),  # noqa: E731
+                              [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)])
+    want = signature(pure.args[0])
+    for position, value in enumerate(outputs):
+        if signature(value) == want:
+            return position
+    return None

@@ -1,0 +1,320 @@
+"""``kiwi_jax.optimize``: plan, apply and compile a Flax train step for a mesh and a memory budget.
+
+Used as a decorator::
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    @kiwi_jax.optimize(mesh=mesh, memory_budget="6GiB", cluster="v100-nvlink")
+    def train_step(model, optimizer, batch):      # Flax NNX: updates in place, like nnx.jit
+        ...
+
+    @kiwi_jax.optimize(mesh=mesh, memory_budget="80%")
+    def train_step(state, batch):                 # Flax Linen TrainState -> (state, metrics)
+        ...
+
+The first call with a set of argument shapes traces the step, plans it (or loads the plan from the
+disk cache), applies the plan (every planned value gets its sharding constraint, dropped forward
+values are recomputed before their first backward reader, inputs and outputs get the plan's
+NamedShardings) and compiles it; later calls with the same shapes run the compiled step; new
+shapes plan again. The train state (first argument) is donated, as ``nnx.Optimizer`` updates
+imply: its updated value keeps the sharding of the input, so the next step reads it in place.
+
+References:
+  KIWI (Liu et al.), sec. 3: the joint program whose plan this applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+import warnings
+
+import jax
+from flax import nnx
+
+import solvers
+from hlo_tools.compiled import device_memory
+from hlo_tools.graph import Phase
+from kiwi_jax.apply import TracedStep, applied_function, trace_for_planning
+from kiwi_jax.cache import PlanCache, default_cache_dir
+from kiwi_jax.cluster import Cluster, MeshSpec
+from kiwi_jax.plan import Plan, resolve_budget, solve_plan
+from kiwi_jax.problem import ProblemBuild, build_problem
+from kiwi_jax.step import PureStep, carried_state, functionalize
+
+__all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
+
+log = logging.getLogger(__name__)
+
+KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+"""Compiler options that keep recomputation on the CPU backend, whose CSE otherwise merges a
+recomputed value with its original (see docs/apply.md)."""
+
+
+FIT_ROUNDS = 3
+"""Re-solves allowed when the compiled step comes out over the budget."""
+
+
+class NotATrainStepError(ValueError):
+    """The function has no backward pass: there is nothing to plan recomputation for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a plan is made for and how it is solved."""
+
+    mesh: jax.sharding.Mesh
+    """A 2-axis ``jax.sharding.Mesh``; its axis order is the plan's."""
+    memory_budget: object
+    """Per-device bytes (int), a size such as ``"6GiB"``, or a percentage such as ``"80%"`` of
+    the peak of the fastest ``alpa`` plan with no memory limit."""
+    cluster: object = "v100-nvlink"
+    """Cluster preset name (``v100-nvlink``, ``a100-nvlink``, ``h100``, ...) or a Cluster."""
+    solver: str = "kiwi"
+    """``kiwi`` (default), ``alpa``, ``alpa+dots``, ``alpa+megatron``, ``alpa+full``."""
+    backend: str = "highs"
+    """``highs`` (embedded), ``cpsat`` or ``gurobi``."""
+    time_limit: float = 60.0
+    """Seconds for the solver; the best plan found by then is used (its gap is logged)."""
+    mip_gap: float = 1e-3
+    """Relative optimality gap at which the solver stops."""
+    reuse_layers: bool = True
+    """Give corresponding operators of identical layers one decision (faster solves)."""
+    cache_dir: object = None
+    """Plan cache directory; None: ``$KIWI_JAX_CACHE_DIR`` or ``~/.cache/kiwi-jax``;
+    False: no cache."""
+    donate: bool = True
+    """Donate the train state (first argument) to the step."""
+
+    def solver_options(self) -> dict:
+        return {"backend": self.backend, "time_limit": self.time_limit,
+                "mip_gap": self.mip_gap, "reuse_layers": self.reuse_layers}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Everything made for one argument signature."""
+
+    traced: TracedStep
+    build: ProblemBuild
+    plan: Plan
+    in_shardings: object
+    out_shardings: object
+    state_out: int | None
+    """Position of the updated train state among the outputs (None: not carried)."""
+    jitted: object
+    """The applied step under ``jax.jit`` with the plan's shardings."""
+    compiled: object
+    """Its compiled executable."""
+    plan_seconds: float
+    compile_seconds: float
+    cached: bool
+    """The plan came from the disk cache."""
+
+
+def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", solver="kiwi",
+             backend="highs", time_limit=60.0, mip_gap=1e-3, reuse_layers=True, cache_dir=None,
+             donate=True):
+    """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
+
+    Args: see :class:`Options`. Usable as ``@optimize(mesh=..., memory_budget=...)`` or
+    ``optimize(step, mesh=..., memory_budget=...)``.
+
+    Returns:
+      An :class:`OptimizedStep`: call it like the step; ``.plan``, ``.explain()``, ``.verify()``.
+
+    Raises:
+      ValueError: a mesh that does not have exactly two axes.
+    """
+    MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
+    Cluster.parse(cluster)
+    options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
+                      reuse_layers, cache_dir, donate)
+    if train_step is None:
+        return functools.partial(OptimizedStep, options=options)
+    return OptimizedStep(train_step, options=options)
+
+
+def _signature(args) -> tuple:
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else ("static", x)
+                       for x in leaves)
+
+
+def _abstract(args):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                        if hasattr(x, "shape") else x, args)
+
+
+class OptimizedStep:
+    """A train step with a plan per argument signature. Call it like the original step."""
+
+    def __init__(self, train_step, options: Options):
+        functools.update_wrapper(self, train_step)
+        self.train_step, self.options = train_step, options
+        self._prepared: dict = {}
+        self._last: Prepared | None = None
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(f"{self.__name__}: pass the step's arguments positionally "
+                            f"(got keywords {sorted(kwargs)})")
+        pure = functionalize(self.train_step, args)
+        prepared = self.prepare(pure)
+        placed = jax.device_put(pure.args, prepared.in_shardings)
+        outputs = prepared.compiled(*placed)
+        if pure.style == "nnx":
+            result, state = outputs
+            nnx.update(tuple(args[i] for i in pure.module_positions), state)
+            return result
+        return outputs
+
+    def prepare(self, pure: PureStep) -> Prepared:
+        """Trace, plan, apply and compile for the signature of ``pure.args`` (memoised)."""
+        key = _signature(pure.args)
+        if key not in self._prepared:
+            self._prepared[key] = self._prepare(pure)
+        self._last = self._prepared[key]
+        return self._last
+
+    def lower(self, *args) -> Prepared:
+        """Plan and compile for these arguments (concrete or abstract) without running."""
+        return self.prepare(functionalize(self.train_step, args))
+
+    def _prepare(self, pure: PureStep) -> Prepared:
+        options = self.options
+        abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
+                            pure.module_positions)
+        start = time.perf_counter()
+        traced = trace_for_planning(abstract)
+        graph = traced.graph
+        if not any(node.phase == Phase.BACKWARD for node in graph.nodes):
+            raise NotATrainStepError(
+                f"{self.__name__} computes no gradient: kiwi_jax.optimize plans the forward, "
+                "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
+                "inside it); for a forward-only function use jax.jit")
+        build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster))
+        plan, cached = self._plan(traced, build)
+        plan_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        applied = self._apply(traced, plan, abstract)
+        if not cached:
+            plan, applied = self._fit(traced, build, plan, applied, abstract)
+            self._store(traced, build, plan)
+        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
+                 "cached" if cached else plan.status, time.perf_counter() - start)
+        return Prepared(traced, build, plan, *applied, plan_seconds=plan_seconds,
+                        compile_seconds=time.perf_counter() - start, cached=cached)
+
+    def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep) -> tuple:
+        """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan."""
+        fn, in_shardings, out_shardings = applied_function(
+            traced, list(plan.specs), plan.recomputed, self.options.mesh)
+        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        donate = ()
+        if state_out is not None:
+            out_list = list(out_shardings)
+            out_list[state_out] = in_shardings[0]           # the state keeps its layout
+            out_shardings = tuple(out_list)
+            donate = (0,) if self.options.donate else ()
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                         donate_argnums=donate, keep_unused=True)
+        compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
+        return in_shardings, out_shardings, state_out, jitted, compiled
+
+    def _fit(self, traced, build, plan: Plan, applied, abstract) -> tuple[Plan, tuple]:
+        """The compiler is the judge: while the compiled step is over the budget, solve again
+        with the budget lowered by the excess (at most ``FIT_ROUNDS`` times)."""
+        budget, target = plan.budget_bytes, plan.budget_bytes
+        for _ in range(FIT_ROUNDS):
+            compiled_peak = device_memory(applied[-1]).peak_bytes
+            if compiled_peak <= budget:
+                break
+            target -= compiled_peak - budget
+            log.warning("%s: compiled step needs %d B per device, over the %d B budget; "
+                        "solving again under %d B", self.__name__, compiled_peak, budget, target)
+            try:
+                tighter = solve_plan(build, target, self.options.solver,
+                                     search_min_feasible=False, **self.options.solver_options())
+            except solvers.InfeasibleBudgetError:
+                warnings.warn(f"{self.__name__}: the compiled step needs {compiled_peak:,} B per "
+                              f"device, over the {budget:,} B budget, and no tighter plan "
+                              "exists; running the closest plan found", stacklevel=4)
+                break
+            plan = dataclasses.replace(tighter, budget_bytes=budget, solver_budget_bytes=target)
+            applied = self._apply(traced, plan, abstract)
+        return plan, applied
+
+    def _cache(self, traced: TracedStep, build: ProblemBuild):
+        """``(cache, key)`` for this step's plan, or ``(None, None)`` without a cache."""
+        options = self.options
+        if options.cache_dir is False:
+            return None, None
+        key = PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
+                            budget=options.memory_budget, cluster=build.cluster.name,
+                            solver=options.solver, backend=options.backend,
+                            reuse_layers=options.reuse_layers, mip_gap=options.mip_gap)
+        return PlanCache(options.cache_dir or default_cache_dir()), key
+
+    def _plan(self, traced: TracedStep, build: ProblemBuild) -> tuple[Plan, bool]:
+        """The cached plan, or a new one; and whether it came from the cache."""
+        cache, key = self._cache(traced, build)
+        plan = cache.load(key, build.problem.names) if cache is not None else None
+        if plan is not None:
+            return plan, True
+        options = self.options
+        budget = resolve_budget(options.memory_budget, build.problem, **options.solver_options())
+        return solve_plan(build, budget, options.solver, **options.solver_options()), False
+
+    def _store(self, traced: TracedStep, build: ProblemBuild, plan: Plan) -> None:
+        cache, key = self._cache(traced, build)
+        if cache is not None:
+            cache.store(key, plan)
+
+    # ------------------------------------------------------------------ inspecting
+    @property
+    def prepared(self) -> Prepared:
+        """What the last call planned and compiled."""
+        if self._last is None:
+            raise RuntimeError(f"{self.__name__} has not been called yet: call it (or "
+                               ".lower(*args)) once to plan it")
+        return self._last
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the last call's argument shapes."""
+        return self.prepared.plan
+
+    def explain(self, png=None, verbose: bool = False, file=None) -> str:
+        """Per layer, what is kept or recomputed and each operator's sharding, with predicted
+        time and memory; optionally a PNG of the per-device memory timeline. Prints and returns
+        the text."""
+        from kiwi_jax.explain import explain, plot_memory_timeline
+
+        text = explain(self.prepared.build, self.plan, verbose=verbose)
+        print(text, file=file)
+        if png is not None:
+            plot_memory_timeline(self.prepared.build, self.plan, png)
+        return text
+
+    def verify(self, *args, steps: int = 3):
+        """Compare the compiled step with the plan (memory, collectives) and, given concrete
+        arguments, its numerics with the plain jitted step over ``steps`` steps.
+
+        Returns:
+          A :class:`kiwi_jax.verify.VerifyReport`.
+        """
+        from kiwi_jax.verify import verify_prepared
+
+        prepared = self.lower(*args) if args else self.prepared
+        return verify_prepared(prepared, self.options.mesh,
+                               functionalize(self.train_step, args) if args else None, steps)
+
+
+def compiler_options() -> dict:
+    """Options that keep the plan's recomputation in the compiled step on this backend."""
+    return dict(KEEP_REMAT) if jax.default_backend() == "cpu" else {}

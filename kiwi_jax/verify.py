@@ -1,0 +1,259 @@
+"""Prove that the step that runs is the step that was planned.
+
+The compiler is the judge: the applied step is compiled (with the options that keep its
+recomputation) and its per-device memory (argument + output + temp - alias, from XLA's buffer
+assignment) and the collectives of its partitioned HLO are compared with the plan's prediction.
+Every compiled collective carries the ``op_name`` of the jaxpr equation it was partitioned from,
+so disagreements are reported per operator. Given concrete arguments, the applied step is also
+run against the plain jitted step and the losses and parameters compared.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlo_tools.compiled import MemoryStats, collectives, device_memory
+from kiwi_jax.interpret import tag_of
+from kiwi_jax.optimize import compiler_options
+from kiwi_jax.plan import predicted_comms
+from kiwi_jax.sharding import reshard_comms
+
+__all__ = ["VerifyReport", "verify_prepared", "TOLERANCE"]
+
+UNCOMBINED = ("all-reduce-combiner", "all-gather-combiner", "reduce-scatter-combiner")
+"""XLA passes that merge collectives; disabled only to attribute collectives to operators."""
+
+TOLERANCE = 0.10
+"""Relative tolerance of predicted vs compiled memory and collective bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """Predicted vs compiled, for one applied step."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    compiled_memory: MemoryStats
+    predicted_collectives: dict
+    """``{kind: {"count", "bytes"}}`` the plan implies."""
+    compiled_collectives: dict
+    """``{kind: {"count", "bytes"}}`` in the partitioned HLO (each instruction once)."""
+    disagreements: tuple
+    """Operators whose predicted and compiled collective bytes differ by more than the tolerance,
+    largest difference first: dicts with ``operator``, ``predicted_bytes``, ``compiled_bytes``."""
+    steps: int = 0
+    """Steps run for the numerics (0: not run)."""
+    max_param_rel_diff: float | None = None
+    """max over state leaves of ||optimized - plain|| / ||plain|| after ``steps`` steps."""
+    max_loss_rel_diff: float | None = None
+    """The same over the step's other outputs (loss, metrics), every step."""
+
+    @property
+    def compiled_peak_bytes(self) -> int:
+        return self.compiled_memory.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The compiled step fits the budget."""
+        return self.compiled_peak_bytes <= self.budget_bytes
+
+    @property
+    def predicted_collective_bytes(self) -> int:
+        return sum(v["bytes"] for v in self.predicted_collectives.values())
+
+    @property
+    def compiled_collective_bytes(self) -> int:
+        return sum(v["bytes"] for v in self.compiled_collectives.values())
+
+    @property
+    def memory_error(self) -> float:
+        """(compiled - predicted) / predicted peak."""
+        return (self.compiled_peak_bytes - self.predicted_peak_bytes) / max(
+            self.predicted_peak_bytes, 1)
+
+    @property
+    def collective_error(self) -> float:
+        """(compiled - predicted) / predicted collective bytes."""
+        return (self.compiled_collective_bytes - self.predicted_collective_bytes) / max(
+            self.predicted_collective_bytes, 1)
+
+    @property
+    def within_tolerance(self) -> bool:
+        return abs(self.memory_error) <= TOLERANCE and abs(self.collective_error) <= TOLERANCE
+
+    def to_dict(self) -> dict:
+        m = self.compiled_memory
+        return {
+            "budget_bytes": int(self.budget_bytes),
+            "predicted_peak_bytes": int(self.predicted_peak_bytes),
+            "compiled_peak_bytes": int(self.compiled_peak_bytes),
+            "compiled_argument_bytes": m.argument_bytes, "compiled_output_bytes": m.output_bytes,
+            "compiled_temp_bytes": m.temp_bytes, "compiled_alias_bytes": m.alias_bytes,
+            "fits": self.fits, "memory_error": self.memory_error,
+            "predicted_collective_bytes": self.predicted_collective_bytes,
+            "compiled_collective_bytes": self.compiled_collective_bytes,
+            "collective_error": self.collective_error,
+            "predicted_collectives": self.predicted_collectives,
+            "compiled_collectives": self.compiled_collectives,
+            "within_tolerance": self.within_tolerance,
+            "disagreements": list(self.disagreements),
+            "steps": self.steps, "max_param_rel_diff": self.max_param_rel_diff,
+            "max_loss_rel_diff": self.max_loss_rel_diff,
+        }
+
+    def table(self) -> str:
+        """The report as aligned text."""
+        mb = lambda b: f"{b / 2**20:10.3f} MiB"  # noqa: E731
+        m = self.compiled_memory
+        lines = [
+            f"{'per device':28s} {'predicted':>14s} {'compiled':>14s}",
+            f"{'peak memory':28s} {mb(self.predicted_peak_bytes)} {mb(self.compiled_peak_bytes)}"
+            f"   ({self.memory_error:+.1%}; budget {mb(self.budget_bytes).strip()}, "
+            f"{'fits' if self.fits else 'DOES NOT FIT'})",
+            f"{'  argument/output/temp/alias':28s} {'':14s} {m.argument_bytes:,} / "
+            f"{m.output_bytes:,} / {m.temp_bytes:,} / {m.alias_bytes:,} B",
+        ]
+        for kind in sorted(set(self.predicted_collectives) | set(self.compiled_collectives)):
+            p = self.predicted_collectives.get(kind, {"count": 0, "bytes": 0})
+            c = self.compiled_collectives.get(kind, {"count": 0, "bytes": 0})
+            if p["count"] or c["count"]:
+                lines.append(f"{kind:28s} {p['bytes']:>12,} B {c['bytes']:>12,} B   "
+                             f"(count {p['count']} vs {c['count']})")
+        lines.append(f"{'collective bytes, total':28s} {self.predicted_collective_bytes:>12,} B "
+                     f"{self.compiled_collective_bytes:>12,} B   ({self.collective_error:+.1%})")
+        if self.disagreements:
+            lines.append("operators whose collectives disagree (predicted vs compiled bytes):")
+            lines += [f"  {d['operator'][:60]:60s} {d['predicted_bytes']:>12,} "
+                      f"{d['compiled_bytes']:>12,}" for d in self.disagreements[:12]]
+        if self.steps:
+            lines.append(f"numerics vs the plain step, {self.steps} steps: max relative "
+                         f"difference {self.max_param_rel_diff:.2e} (state), "
+                         f"{self.max_loss_rel_diff:.2e} (loss and metrics)")
+        return "\n".join(lines)
+
+
+def _by_kind(comms) -> dict:
+    table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for c in comms:
+        table[c.kind]["count"] += 1
+        table[c.kind]["bytes"] += int(c.bytes)
+    return dict(table)
+
+
+def carried_comms(prepared) -> list:
+    """Resharding of updated state leaves whose planned spec differs from the input's (the
+    updated state keeps the input's sharding so the next step reads it in place)."""
+    if prepared.state_out is None:
+        return []
+    graph, specs, mesh = prepared.traced.graph, prepared.plan.specs, prepared.build.mesh
+    out_tree = prepared.traced.out_tree
+    counts = [len(jax.tree.leaves(sub, is_leaf=lambda x: x is None))
+              for sub in jax.tree.unflatten(out_tree, [None] * out_tree.num_leaves)]
+    first = sum(counts[:prepared.state_out])
+    comms = []
+    for k in range(counts[prepared.state_out]):
+        out_node, param_node = graph.outputs[first + k], graph.parameters[k]
+        comms += reshard_comms(graph.nodes[out_node].nbytes, specs[out_node],
+                               specs[param_node], mesh)
+    return comms
+
+
+def _operator_disagreements(prepared, found) -> tuple:
+    """Per equation path, predicted vs compiled collective bytes, where they disagree."""
+    graph, build, plan = prepared.traced.graph, prepared.build, prepared.plan
+    strategies = build.strategies
+    predicted, compiled = collections.Counter(), collections.Counter()
+    label = {}
+    for node in graph.nodes:
+        tag = tag_of(node.op_name) or "(untagged)"
+        own = strategies[node.id][plan.strategy[node.id]].comms
+        predicted[tag] += sum(c.bytes for c in own)
+        label.setdefault(tag, f"{node.opcode} {node.name}")
+    for src, dst, slot in graph.edges:
+        tag = tag_of(graph.nodes[dst].op_name) or "(untagged)"
+        predicted[tag] += sum(c.bytes for c in reshard_comms(
+            graph.nodes[src].nbytes, strategies[src][plan.strategy[src]].out,
+            strategies[dst][plan.strategy[dst]].operands[slot], build.mesh))
+    predicted["(untagged)"] += sum(c.bytes for c in carried_comms(prepared))
+    for c in found:
+        compiled[tag_of(c.op_name) or "(untagged)"] += c.bytes
+    total = max(sum(predicted.values()), sum(compiled.values()), 1)
+    rows = []
+    for tag in set(predicted) | set(compiled):
+        p, c = predicted[tag], compiled[tag]
+        if abs(p - c) > TOLERANCE * max(p, c) and abs(p - c) > 0.005 * total:
+            rows.append({"operator": f"k{tag} {label.get(tag, '')}".strip(),
+                         "predicted_bytes": int(p), "compiled_bytes": int(c)})
+    rows.sort(key=lambda r: -abs(r["predicted_bytes"] - r["compiled_bytes"]))
+    return tuple(rows)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
+def max_rel_diff(a, b) -> float:
+    """max over leaves of ||a - b|| / ||b|| (2-norms; 0 where both are 0).
+
+    Norms, not elements: Adam divides each gradient element by its running magnitude, so an
+    element whose gradient cancels to rounding level (a sum of terms of both signs) turns the
+    rounding of a reordered reduction into a visible update; such single elements differ by up
+    to ~1e-4 of the leaf's scale between any two shardings of the same step."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        diff = float(np.linalg.norm((x - y).ravel()))
+        worst = max(worst, diff / max(float(np.linalg.norm(y.ravel())), 1e-30) if diff else 0.0)
+    return worst
+
+
+def _run(step, args, steps: int, state_out):
+    """Run ``steps`` steps; return (final state, per-step other outputs)."""
+    args, others = list(args), []
+    for _ in range(steps):
+        outputs = step(*args)
+        if state_out is None:
+            others.append(outputs)
+            continue
+        others.append([o for i, o in enumerate(outputs) if i != state_out])
+        args[0] = outputs[state_out]
+    return args[0], others
+
+
+def compare_numerics(prepared, pure, steps: int) -> tuple[float, float]:
+    """(state, loss/metrics) max relative differences of the applied vs the plain step."""
+    plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
+    placed = jax.device_put(_copy(pure.args), prepared.in_shardings)
+    opt_state, opt_out = _run(prepared.compiled, placed, steps, prepared.state_out)
+    return max_rel_diff(opt_state, plain_state), max_rel_diff(opt_out, plain_out)
+
+
+def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
+    """Check a prepared (planned, applied, compiled) step; see the module docstring."""
+    compiled = prepared.compiled
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    found = collectives(compiled.as_text(), ids)
+    predicted = predicted_comms(prepared.build, prepared.plan.strategy) + carried_comms(prepared)
+    # Per operator: a second compile without the combiners that merge collectives of several
+    # operators into one instruction (totals come from the executable that runs).
+    options = dict(compiler_options())
+    options["xla_disable_hlo_passes"] = ",".join(
+        filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
+    separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(compiler_options=options)
+    numerics = {}
+    if pure is not None and steps > 0:
+        state_diff, loss_diff = compare_numerics(prepared, pure, steps)
+        numerics = {"steps": steps, "max_param_rel_diff": state_diff,
+                    "max_loss_rel_diff": loss_diff}
+    return VerifyReport(
+        budget_bytes=prepared.plan.budget_bytes,
+        predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
+        compiled_memory=device_memory(compiled),
+        predicted_collectives=_by_kind(predicted), compiled_collectives=_by_kind(found),
+        disagreements=_operator_disagreements(prepared, collectives(separate.as_text(), ids)),
+        **numerics)

@@ -1,0 +1,172 @@
+"""The decorator: plan, apply, compile, run; the compiled step checked against the plan and the
+plain step."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import kiwi_jax
+import solvers
+from kiwi_jax.models import build
+from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
+
+SMALL = {
+    "gpt": dict(layers=1, hidden=32, heads=2, seq=16, batch=8, vocab=64),
+    "bert": dict(layers=1, hidden=32, heads=2, seq=16, batch=8, vocab=64),
+    "mlp": dict(layers=3, width=64, in_dim=32, out_dim=32, batch=16),
+    "linen_mlp": dict(),
+}
+FAST = dict(cluster="v100-nvlink", time_limit=20.0, mip_gap=1e-2, cache_dir=False)
+
+
+def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
+    ref = build(name, **SMALL[name])
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget,
+                             **{**FAST, **options})
+    return step, (*ref.init(0), ref.batch(0))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=["1x8", "2x4", "4x2"])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
+    step, args = _step(name, mesh_factory(shape))
+    report = step.verify(*args, steps=3)
+    assert report.steps == 3
+    assert report.max_loss_rel_diff <= 1e-5
+    assert report.max_param_rel_diff <= 1e-5
+    assert report.fits, report.table()
+    assert report.compiled_collective_bytes >= 0 and report.to_dict()["fits"]
+
+
+def test_nnx_step_updates_in_place_and_compiles_once_per_shape(mesh24):
+    ref = build("mlp", **SMALL["mlp"])
+    model, optimizer = ref.init(0)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, memory_budget="95%", **FAST)
+    before = np.asarray(model.linears[0].kernel.value).copy()
+    loss1 = step(model, optimizer, ref.batch(0))
+    prepared = step.prepared
+    loss2 = step(model, optimizer, ref.batch(1))
+    assert step.prepared is prepared                      # same shapes: no new plan
+    assert not np.allclose(before, np.asarray(model.linears[0].kernel.value))
+    assert np.isfinite(float(loss1)) and np.isfinite(float(loss2))
+    placed = model.linears[0].kernel.value.sharding       # the state is on the plan's mesh
+    assert isinstance(placed, jax.sharding.NamedSharding) and placed.mesh == mesh24
+    wider = build("mlp", **{**SMALL["mlp"], "batch": 32})
+    step(model, optimizer, wider.batch(0))
+    assert step.prepared is not prepared                  # a new batch shape plans again
+
+
+def test_linen_step_returns_state_and_metrics(mesh_factory):
+    step, (state, batch) = _step("linen_mlp", mesh_factory((1, 8)))
+    new_state, metrics = step(state, batch)
+    assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
+
+
+def test_plans_are_cached_and_corrupt_entries_ignored(tmp_path, mesh24):
+    options = dict(FAST, cache_dir=tmp_path)
+    first, args = _step("mlp", mesh24, **options)
+    first.lower(*args)
+    assert not first.prepared.cached
+    entries = list(tmp_path.glob("plan-*.json"))
+    assert len(entries) == 1
+    again, _ = _step("mlp", mesh24, **options)
+    again.lower(*args)
+    assert again.prepared.cached
+    assert np.array_equal(again.plan.strategy, first.plan.strategy)
+    entries[0].write_text("{not json")
+    third, _ = _step("mlp", mesh24, **options)
+    with pytest.warns(UserWarning, match="corrupt plan cache entry"):
+        third.lower(*args)
+    assert not third.prepared.cached
+    assert json.loads(entries[0].read_text())["solver"] == "kiwi"   # rewritten
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one(mesh24):
+    step, args = _step("mlp", mesh24, budget=1000)
+    with pytest.raises(solvers.InfeasibleBudgetError) as error:
+        step.lower(*args)
+    assert error.value.min_feasible_bytes > 1000
+    assert "smallest feasible budget" in str(error.value)
+
+
+def test_a_function_without_gradient_is_refused(mesh24):
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def forward(model, x):
+        return model(x).sum()
+
+    step = kiwi_jax.optimize(forward, mesh=mesh24, memory_budget="1GiB", **FAST)
+    with pytest.raises(NotATrainStepError, match="no gradient"):
+        step(model, jnp.ones((8, 8)))
+
+
+def test_mesh_must_have_two_axes():
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with pytest.raises(ValueError, match="2-D"):
+        kiwi_jax.optimize(lambda s, b: s, mesh=mesh, memory_budget="1GiB")
+
+
+def test_keyword_arguments_are_refused(mesh24):
+    step, _ = _step("mlp", mesh24)
+    with pytest.raises(TypeError, match="positionally"):
+        step(batch=None)
+
+
+def test_indivisible_dimensions_exclude_strategies_not_crash(mesh24):
+    ref = build("mlp", layers=2, width=24, in_dim=12, out_dim=12, batch=6)  # 6, 12, 24 vs 2x4
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, memory_budget="100%", **FAST)
+    report = step.verify(*ref.init(0), ref.batch(0), steps=2)
+    assert report.max_param_rel_diff <= 1e-5
+
+
+def test_explain_prints_layers_and_writes_png(tmp_path, mesh24):
+    step, args = _step("gpt", mesh24, budget="85%")
+    step.lower(*args)
+    png = tmp_path / "timeline.png"
+    with open(tmp_path / "out.txt", "w") as sink:
+        text = step.explain(png=png, file=sink)
+    assert "== layer 0" in text and "outside layers" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recomputed = sum(line.endswith("recompute") for line in text.splitlines())
+    assert recomputed == len(step.plan.recomputed) or not step.plan.recomputed
+
+
+def test_explain_before_any_call_says_what_to_do(mesh24):
+    step, _ = _step("mlp", mesh24)
+    with pytest.raises(RuntimeError, match="call it"):
+        step.explain()
+
+
+def test_custom_optax_chain_in_a_user_step(mesh_factory):
+    """A step written by a user (not a registry model): SGD with momentum and clipping."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(16, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    model = Net(nnx.Rngs(1))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    step = kiwi_jax.optimize(train_step, mesh=mesh_factory((2, 4)), memory_budget="100%", **FAST)
+    x, y = jnp.ones((16, 16)), jnp.zeros((16, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = step.verify(model, optimizer, x, y, steps=3)
+    assert report.max_param_rel_diff <= 1e-5 and report.max_loss_rel_diff <= 1e-5
