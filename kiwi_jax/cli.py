@@ -175,7 +175,7 @@ def _cmd_verify(args) -> dict:
     if args.png:
         from kiwi_jax.explain import plot_memory_timeline
 
-        plot_memory_timeline(prepared.build, plan, args.png)
+        plot_memory_timeline(prepared.build, plan, args.png, report.compiled_peak_bytes)
         print(f"memory timeline: {args.png}")
         out["png"] = args.png
     return out

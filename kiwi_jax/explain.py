@@ -70,9 +70,11 @@ def explain(build: ProblemBuild, plan: Plan, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plot_memory_timeline(build: ProblemBuild, plan: Plan, path) -> None:
+def plot_memory_timeline(build: ProblemBuild, plan: Plan, path,
+                         compiled_peak_bytes: int | None = None) -> None:
     """PNG of the per-device bytes alive at every operator: the plan, the same shardings with
-    every forward value kept, and the budget."""
+    every forward value kept, the budget and (when given) the compiled step's peak; a strip at
+    the bottom marks each operator's phase."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,13 +89,16 @@ def plot_memory_timeline(build: ProblemBuild, plan: Plan, path) -> None:
     ax.plot(x, planned.memory_timeline / 2**20, color="C0", lw=1.5,
             label=f"plan ({len(plan.recomputed)} values recomputed)")
     ax.axhline(plan.budget_bytes / 2**20, color="C3", ls="--", lw=1, label="budget")
+    if compiled_peak_bytes is not None:
+        ax.axhline(compiled_peak_bytes / 2**20, color="k", ls=":", lw=1,
+                   label="compiled peak (XLA buffer assignment)")
     phases = np.asarray(problem.phase)
     colors = {Phase.FORWARD: "C2", Phase.BACKWARD: "C1", Phase.OPTIMIZER: "C4"}
     for phase, color in colors.items():
-        where = np.flatnonzero(phases == int(phase))
-        if where.size:
-            ax.axvspan(where.min(), where.max(), color=color, alpha=0.08,
-                       label=phase.name.lower())
+        ax.fill_between(x, 0, 0.03, where=phases == int(phase), color=color, step="mid",
+                        transform=ax.get_xaxis_transform(), label=phase.name.lower())
+    top = max(plan.budget_bytes, compiled_peak_bytes or 0, kept.peak_bytes)
+    ax.set_ylim(0, top / 2**20 * 1.08)
     ax.set_xlabel("operator (execution order)")
     ax.set_ylabel("MiB alive per device")
     ax.set_title(f"{plan.solver} plan on a {plan.mesh_shape[0]}x{plan.mesh_shape[1]} mesh: "

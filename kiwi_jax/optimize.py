@@ -230,20 +230,24 @@ class OptimizedStep:
         """The compiler is the judge: while the compiled step is over the budget, solve again
         with the budget lowered by the excess (at most ``FIT_ROUNDS`` times)."""
         budget, target = plan.budget_bytes, plan.budget_bytes
-        for _ in range(FIT_ROUNDS):
+        for attempt in range(FIT_ROUNDS + 1):
             compiled_peak = device_memory(applied[-1]).peak_bytes
             if compiled_peak <= budget:
                 break
+            over = (f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, "
+                    f"over the {budget:,} B budget")
+            if attempt == FIT_ROUNDS:
+                warnings.warn(f"{over} after {FIT_ROUNDS} tighter solves; running it anyway "
+                              "(raise the budget to fit)", stacklevel=4)
+                break
             target -= compiled_peak - budget
-            log.warning("%s: compiled step needs %d B per device, over the %d B budget; "
-                        "solving again under %d B", self.__name__, compiled_peak, budget, target)
+            log.warning("%s; solving again under %d B", over, target)
             try:
                 tighter = solve_plan(build, target, self.options.solver,
                                      search_min_feasible=False, **self.options.solver_options())
             except solvers.InfeasibleBudgetError:
-                warnings.warn(f"{self.__name__}: the compiled step needs {compiled_peak:,} B per "
-                              f"device, over the {budget:,} B budget, and no tighter plan "
-                              "exists; running the closest plan found", stacklevel=4)
+                warnings.warn(f"{over}, and no plan fits a tighter solver budget; running the "
+                              "closest plan found (raise the budget to fit)", stacklevel=4)
                 break
             plan = dataclasses.replace(tighter, budget_bytes=budget, solver_budget_bytes=target)
             applied = self._apply(traced, plan, abstract)
