@@ -22,7 +22,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import json  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,7 +31,7 @@ from hlo_tools.compiled import collectives  # noqa: E402
 from hlo_tools.graph import Phase  # noqa: E402
 from kiwi_jax.apply import applied_function, node_specs, trace_for_planning  # noqa: E402
 from kiwi_jax.models import build  # noqa: E402
-from kiwi_jax.plan import predicted_comms  # noqa: E402
+from kiwi_jax.plan import by_kind, predicted_comms  # noqa: E402
 from kiwi_jax.problem import build_problem  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 
@@ -78,14 +77,6 @@ def data_parallel_assignment(built, batch_leaves: set[int]) -> list[int]:
     return choice
 
 
-def by_kind(comms) -> dict:
-    table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-    for c in comms:
-        table[c.kind]["count"] += 1
-        table[c.kind]["bytes"] += c.bytes
-    return dict(table)
-
-
 def compare(name: str, overrides: dict) -> dict:
     ref = build(name.split("-")[0], **overrides)
     pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
@@ -127,12 +118,10 @@ def main(argv=None) -> dict:
     table = markdown(rows)
     print(table)
     result = {"study": "compiler_table", "rows": rows}
-    write_result("compiler_table", result)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_result("compiler_table", result, print_json=args.json)
     return result
 
 

@@ -11,7 +11,6 @@ Usage: python -m experiments.op_counts [--json] [--depths 1 4 8] [--quick]
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from experiments.common import KIWI_TABLE2, write_result
@@ -57,9 +56,7 @@ def main(argv=None) -> dict:
             rows[-1]["layers"] - rows[0]["layers"])
     result = {"study": "op_counts", "definition": DEFINITION, "rows": rows,
               "forward_backward_per_layer": per_layer}
-    write_result("op_counts", result)
-    if args.json:
-        print(json.dumps(result))
+    write_result("op_counts", result, print_json=args.json)
     return result
 
 

@@ -12,7 +12,6 @@ Usage: python -m experiments.optimality [--json] [--quick] [--repeats 3]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
@@ -93,9 +92,7 @@ def main(argv=None) -> dict:
               "operators": problem.num_nodes, "repeats": repeats,
               "reference_step_seconds": reference.objective,
               "reference_peak_bytes": reference.peak_bytes, "rows": rows}
-    write_result("optimality", result)
-    if args.json:
-        print(json.dumps(result))
+    write_result("optimality", result, print_json=args.json)
     return result
 
 

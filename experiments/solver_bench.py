@@ -179,9 +179,7 @@ def main(argv=None) -> dict:
             result["sweep"] = sweep(args.models, 4, args.fractions, args.time_limit)
         if "tricks" in args.sections:
             result["tricks"] = tricks(max(args.time_limit, 300.0))
-    write_result("solver_bench", result)
-    if args.json:
-        print(json.dumps(result))
+    write_result("solver_bench", result, print_json=args.json)
     return result
 
 

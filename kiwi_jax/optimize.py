@@ -201,20 +201,22 @@ class OptimizedStep:
         plan, cached = self._plan(traced, build)
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        applied = self._apply(traced, plan, abstract)
+        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        applied = self._apply(traced, plan, abstract, state_out)
         if not cached:
-            plan, applied = self._fit(traced, build, plan, applied, abstract)
+            plan, applied = self._fit(traced, build, plan, applied, abstract, state_out)
             self._store(traced, build, plan)
         log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
                  "cached" if cached else plan.status, time.perf_counter() - start)
         return Prepared(traced, build, plan, *applied, plan_seconds=plan_seconds,
                         compile_seconds=time.perf_counter() - start, cached=cached)
 
-    def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep) -> tuple:
-        """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan."""
+    def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep,
+               state_out: int | None) -> tuple:
+        """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan;
+        ``state_out``: position of the updated state among the outputs (see carried_state)."""
         fn, in_shardings, out_shardings = applied_function(
             traced, list(plan.specs), plan.recomputed, self.options.mesh)
-        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
         donate = ()
         if state_out is not None:
             out_list = list(out_shardings)
@@ -226,7 +228,7 @@ class OptimizedStep:
         compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
         return in_shardings, out_shardings, state_out, jitted, compiled
 
-    def _fit(self, traced, build, plan: Plan, applied, abstract) -> tuple[Plan, tuple]:
+    def _fit(self, traced, build, plan: Plan, applied, abstract, state_out) -> tuple[Plan, tuple]:
         """The compiler is the judge: while the compiled step is over the budget, solve again
         with the budget lowered by the excess (at most ``FIT_ROUNDS`` times)."""
         budget, target = plan.budget_bytes, plan.budget_bytes
@@ -250,7 +252,7 @@ class OptimizedStep:
                               "closest plan found (raise the budget to fit)", stacklevel=4)
                 break
             plan = dataclasses.replace(tighter, budget_bytes=budget, solver_budget_bytes=target)
-            applied = self._apply(traced, plan, abstract)
+            applied = self._apply(traced, plan, abstract, state_out)
         return plan, applied
 
     def _cache(self, traced: TracedStep, build: ProblemBuild):

@@ -7,6 +7,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -21,7 +22,8 @@ from kiwi_jax.sharding import Comm, reshard_comms, spec_str
 import solvers
 from solvers.simulator import simulate
 
-__all__ = ["Plan", "make_plan", "solve_plan", "resolve_budget", "predicted_comms"]
+__all__ = ["Plan", "make_plan", "solve_plan", "resolve_budget", "predicted_comms",
+           "attributed_comms", "by_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +118,31 @@ def resolve_budget(budget, problem, **options) -> int:
     return parse_bytes(budget)
 
 
+def attributed_comms(build: ProblemBuild, strategy) -> list[tuple[int, Comm]]:
+    """Every collective the plan implies, with the node it runs at: the operators' own, and the
+    resharding of each edge at its reader."""
+    graph, strategies = build.graph, build.strategies
+    comms = [(node.id, c) for node in graph.nodes
+             for c in strategies[node.id][strategy[node.id]].comms]
+    for src, dst, slot in graph.edges:
+        comms += [(dst, c) for c in reshard_comms(
+            graph.nodes[src].nbytes, strategies[src][strategy[src]].out,
+            strategies[dst][strategy[dst]].operands[slot], build.mesh)]
+    return comms
+
+
 def predicted_comms(build: ProblemBuild, strategy) -> list[Comm]:
     """Every collective the plan implies: the operators' own and the edges' resharding."""
-    graph, strategies = build.graph, build.strategies
-    comms = [c for node in graph.nodes for c in strategies[node.id][strategy[node.id]].comms]
-    for src, dst, slot in graph.edges:
-        comms += reshard_comms(graph.nodes[src].nbytes, strategies[src][strategy[src]].out,
-                               strategies[dst][strategy[dst]].operands[slot], build.mesh)
-    return comms
+    return [c for _, c in attributed_comms(build, strategy)]
+
+
+def by_kind(comms) -> dict:
+    """``{kind: {"count", "bytes"}}`` of the kinds present in ``comms``."""
+    table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for c in comms:
+        table[c.kind]["count"] += 1
+        table[c.kind]["bytes"] += int(c.bytes)
+    return dict(table)
 
 
 def make_plan(traced: TracedStep, mesh, cluster, memory_budget, solver: str = "kiwi",

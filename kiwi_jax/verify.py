@@ -20,7 +20,7 @@ import numpy as np
 from hlo_tools.compiled import MemoryStats, collectives, device_memory
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.optimize import compiler_options
-from kiwi_jax.plan import predicted_comms
+from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 
 __all__ = ["VerifyReport", "verify_prepared", "TOLERANCE"]
@@ -137,14 +137,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _by_kind(comms) -> dict:
-    table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-    for c in comms:
-        table[c.kind]["count"] += 1
-        table[c.kind]["bytes"] += int(c.bytes)
-    return dict(table)
-
-
 def carried_comms(prepared) -> list:
     """Resharding of updated state leaves whose planned spec differs from the input's (the
     updated state keeps the input's sharding so the next step reads it in place)."""
@@ -163,23 +155,17 @@ def carried_comms(prepared) -> list:
     return comms
 
 
-def _operator_disagreements(prepared, found) -> tuple:
-    """Per equation path, predicted vs compiled collective bytes, where they disagree."""
-    graph, build, plan = prepared.traced.graph, prepared.build, prepared.plan
-    strategies = build.strategies
+def _operator_disagreements(prepared, attributed, carried, found) -> tuple:
+    """Per equation path, predicted (``attributed_comms`` and the carried state's resharding)
+    vs compiled collective bytes, where they disagree."""
+    graph = prepared.traced.graph
     predicted, compiled = collections.Counter(), collections.Counter()
     label = {}
     for node in graph.nodes:
-        tag = tag_of(node.op_name) or "(untagged)"
-        own = strategies[node.id][plan.strategy[node.id]].comms
-        predicted[tag] += sum(c.bytes for c in own)
-        label.setdefault(tag, f"{node.opcode} {node.name}")
-    for src, dst, slot in graph.edges:
-        tag = tag_of(graph.nodes[dst].op_name) or "(untagged)"
-        predicted[tag] += sum(c.bytes for c in reshard_comms(
-            graph.nodes[src].nbytes, strategies[src][plan.strategy[src]].out,
-            strategies[dst][plan.strategy[dst]].operands[slot], build.mesh))
-    predicted["(untagged)"] += sum(c.bytes for c in carried_comms(prepared))
+        label.setdefault(tag_of(node.op_name) or "(untagged)", f"{node.opcode} {node.name}")
+    for node, c in attributed:
+        predicted[tag_of(graph.nodes[node].op_name) or "(untagged)"] += c.bytes
+    predicted["(untagged)"] += sum(c.bytes for c in carried)
     for c in found:
         compiled[tag_of(c.op_name) or "(untagged)"] += c.bytes
     total = max(sum(predicted.values()), sum(compiled.values()), 1)
@@ -238,7 +224,8 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
     compiled = prepared.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     found = collectives(compiled.as_text(), ids)
-    predicted = predicted_comms(prepared.build, prepared.plan.strategy) + carried_comms(prepared)
+    attributed = attributed_comms(prepared.build, prepared.plan.strategy)
+    carried = carried_comms(prepared)
     # Per operator: a second compile without the combiners that merge collectives of several
     # operators into one instruction (totals come from the executable that runs).
     options = dict(compiler_options())
@@ -254,6 +241,8 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
         compiled_memory=device_memory(compiled),
-        predicted_collectives=_by_kind(predicted), compiled_collectives=_by_kind(found),
-        disagreements=_operator_disagreements(prepared, collectives(separate.as_text(), ids)),
+        predicted_collectives=by_kind([c for _, c in attributed] + carried),
+        compiled_collectives=by_kind(found),
+        disagreements=_operator_disagreements(prepared, attributed, carried,
+                                              collectives(separate.as_text(), ids)),
         **numerics)
