@@ -34,8 +34,8 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
 
 CONTENDED = pytest.mark.xfail(
     strict=False, reason="open: when the 20 s solve is cut short by a busy machine, HiGHS ends at "
-    "an all-to-all-heavy plan whose compiled memory is 2x the prediction (seen once on 2 busy "
-    "cores; passes alone)")
+    "an all-to-all-heavy plan whose compiled memory is 2x the prediction and over the budget "
+    "(in each full-suite run on 2 cores so far; passes alone)")
 
 
 @pytest.mark.parametrize("name,shape", [
@@ -44,16 +44,11 @@ CONTENDED = pytest.mark.xfail(
     for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
     step, args = _step(name, mesh_factory(shape))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = step.verify(*args, steps=3)
+    report = step.verify(*args, steps=3)
     assert report.steps == 3
     assert report.max_loss_rel_diff <= 1e-5
     assert report.max_param_rel_diff <= 1e-5
-    # The compiled step fits, or the user was told it does not (no tighter plan within 3 rounds).
-    told = any("over the" in str(w.message) for w in caught)
-    assert report.fits or told, report.table()
-    assert report.compiled_collective_bytes >= 0 and report.to_dict()["fits"]
+    assert report.fits, report.table()         # the compiled step fits the budget it was given
 
 
 def test_nnx_step_updates_in_place_and_compiles_once_per_shape(mesh24):
@@ -147,7 +142,7 @@ def test_explain_prints_layers_and_writes_png(tmp_path, mesh24):
     assert "== layer 0" in text and "outside layers" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     recomputed = sum(line.endswith("recompute") for line in text.splitlines())
-    assert recomputed == len(step.plan.recomputed) or not step.plan.recomputed
+    assert recomputed == len(step.plan.recomputed) > 0      # 85% needs recomputation
 
 
 def test_explain_before_any_call_says_what_to_do(mesh24):
