@@ -22,7 +22,9 @@ SMALL = {
     "mlp": dict(layers=3, width=64, in_dim=32, out_dim=32, batch=16),
     "linen_mlp": dict(),
 }
-FAST = dict(cluster="v100-nvlink", time_limit=20.0, mip_gap=1e-2, cache_dir=False)
+# A limit the solves end well inside (the GPT's take ~35 s alone): a solve cut short by a busy
+# machine ends at another plan, and the tests would depend on the machine's load.
+FAST = dict(cluster="v100-nvlink", time_limit=120.0, mip_gap=1e-2, cache_dir=False)
 
 
 def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
@@ -32,15 +34,8 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     return step, (*ref.init(0), ref.batch(0))
 
 
-CONTENDED = pytest.mark.xfail(
-    strict=False, reason="open: when the 20 s solve is cut short by a busy machine, HiGHS ends at "
-    "an all-to-all-heavy plan whose compiled memory is 2x the prediction and over the budget "
-    "(in each full-suite run on 2 cores so far; passes alone)")
-
-
 @pytest.mark.parametrize("name,shape", [
-    pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}",
-                 marks=CONTENDED if (name, shape) == ("gpt", (4, 2)) else ())
+    pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
     for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
     step, args = _step(name, mesh_factory(shape))
