@@ -7,11 +7,11 @@ from solvers.reuse import layer_ties
 from solvers.simulator import SimResult, reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               SolverUnavailableError, Status)
-from solvers.solve import SOLVERS, min_feasible_budget, reference_plan, solve
+from solvers.solve import SOLVERS, min_feasible_budget, min_peak_plan, reference_plan, solve
 
 __all__ = [
     "BACKENDS", "DEFAULT_BACKEND", "PHASES", "ShardingProblem", "layer_ties", "SimResult",
     "reduced_schedule", "simulate", "InfeasibleBudgetError", "Solution", "SolverError",
     "SolverTimeoutError", "SolverUnavailableError", "Status", "SOLVERS", "min_feasible_budget",
-    "reference_plan", "solve",
+    "min_peak_plan", "reference_plan", "solve",
 ]

@@ -24,7 +24,7 @@ from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status)
 
-__all__ = ["SOLVERS", "solve", "min_feasible_budget", "reference_plan"]
+__all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
 
 SOLVERS = (*RULES, "kiwi", "kiwi-full")
 log = logging.getLogger(__name__)
@@ -193,50 +193,64 @@ def _improve(problem, budget, solver, plan: Solution, seconds: float, options) -
     return better if better is not None and better.objective <= plan.objective else plan
 
 
-def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap):
-    """Solve the peak-minimising program: ``(backend result, model, decoded plan)``, the plan
-    None when no incumbent was found."""
+def min_peak_plan(problem: ShardingProblem, solver: str = "kiwi",
+                  backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
+                  reuse_layers: bool = False, mip_gap: float = 1e-6,
+                  ) -> tuple[Solution | None, int | None]:
+    """The plan of ``solver`` with the lowest per-device peak: the same program with the peak
+    minimised instead of the step time. It fits every budget at or above its peak, so it is a
+    warm start for any of them.
+
+    The program's memory model is conservative against the simulator (byte counts rounded up
+    to its units), so the budget a plan needs *in the program* is its claimed peak, which can
+    be a little above its simulated one; that is the budget reported, and the smallest one
+    under which :func:`solve` finds a plan.
+
+    Returns:
+      ``(plan, lower)``: the plan (its ``objective`` is its simulated step time, its
+      ``budget_bytes`` the budget it needs) and a bound no plan's budget goes under (the plan's
+      budget when the search finished); ``(None, None)`` when the search found no plan.
+    """
     joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
     result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap)
-    plan = None if result.x is None else _decode(joint, problem, result.x, fixed)
-    return result, joint, plan
+    if result.x is None:
+        return None, None
+    strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
+    claimed = joint.claimed_peak(result.x)
+    needs = max(sim.peak_bytes, claimed or 0)
+    plan = Solution(solver=solver, backend=backend, status=result.status,
+                    objective=sim.step_seconds, gap=float("nan"), solve_seconds=result.seconds,
+                    build_seconds=joint.build_seconds, num_vars=joint.model.num_vars,
+                    num_constraints=joint.model.num_rows, budget_bytes=needs,
+                    strategy=strategy, keep=keep, recompute_at=schedule,
+                    peak_bytes=sim.peak_bytes, claimed_peak_bytes=claimed)
+    lower = needs if result.status == Status.OPTIMAL \
+        else min(needs, int(np.floor(result.bound * joint.units.bytes)))
+    return plan, lower
 
 
 def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:
     """A plan under ``budget`` from the peak-minimising program (None if none found in time)."""
-    result, joint, plan = _min_peak(problem, solver, backend, time_limit, reuse_layers, 1e-2)
-    if plan is None:
+    plan, _ = min_peak_plan(problem, solver, backend, time_limit, reuse_layers, 1e-2)
+    if plan is None or plan.budget_bytes > budget:
         return None
-    strategy, keep, schedule, sim = plan
-    if sim.peak_bytes > budget:
-        return None
-    log.info("%s: warm start from a plan peaking at %d bytes (%.2f s)", solver, sim.peak_bytes,
-             result.seconds)
-    return Solution(solver=solver, backend=backend, status=result.status,
-                    objective=sim.step_seconds, gap=float("nan"), solve_seconds=result.seconds,
-                    build_seconds=joint.build_seconds, num_vars=joint.model.num_vars,
-                    num_constraints=joint.model.num_rows, budget_bytes=budget,
-                    strategy=strategy, keep=keep, recompute_at=schedule,
-                    peak_bytes=sim.peak_bytes)
+    log.info("%s: warm start from a plan peaking at %d bytes (%.2f s)", solver, plan.peak_bytes,
+             plan.solve_seconds)
+    return dataclasses.replace(plan, budget_bytes=budget)
 
 
 def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
                         backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
                         reuse_layers: bool = False) -> tuple[int | None, int | None]:
-    """Bounds on the smallest per-device peak a plan of ``solver`` can have: the same program
-    with the peak minimised instead of the step time.
+    """Bounds on the smallest per-device peak a plan of ``solver`` can have (see
+    :func:`min_peak_plan`).
 
     Returns:
       ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
       when the search finished). ``(None, None)`` when the search found no plan.
     """
-    result, joint, plan = _min_peak(problem, solver, backend, time_limit, reuse_layers, 1e-6)
-    if plan is None:
-        return None, None
-    upper = plan[3].peak_bytes
-    lower = upper if result.status == Status.OPTIMAL \
-        else min(upper, int(np.floor(result.bound * joint.units.bytes)))
-    return lower, upper
+    plan, lower = min_peak_plan(problem, solver, backend, time_limit, reuse_layers)
+    return (None, None) if plan is None else (lower, plan.budget_bytes)
 
 
 def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,

@@ -80,6 +80,19 @@ def test_min_feasible_budget_is_tight():
         solve(p, high - 1, solver="alpa")
 
 
+@pytest.mark.parametrize("solver", ["alpa", "kiwi"])
+def test_min_peak_plan_fits_the_budget_it_reports(solver):
+    p = random_problem(4)
+    plan, low = solvers.min_peak_plan(p, solver)
+    assert plan.peak_bytes <= plan.budget_bytes == low
+    check_claims(p, plan)
+    # the budget it reports is one the program accepts it under: a warm start for that budget
+    warm = solve(p, plan.budget_bytes, solver=solver, warm_start=plan)
+    assert warm.objective <= plan.objective * (1 + 1e-6)
+    with pytest.raises(InfeasibleBudgetError):
+        solve(p, low - 1, solver=solver, search_min_feasible=False)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_properties_on_random_graphs(seed):
     p = random_problem(seed)
