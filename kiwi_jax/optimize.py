@@ -45,7 +45,8 @@ from kiwi_jax.plan import Plan, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
-__all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
+__all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError", "compile_plan",
+           "compiler_options"]
 
 log = logging.getLogger(__name__)
 
@@ -215,18 +216,8 @@ class OptimizedStep:
                state_out: int | None) -> tuple:
         """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan;
         ``state_out``: position of the updated state among the outputs (see carried_state)."""
-        fn, in_shardings, out_shardings = applied_function(
-            traced, list(plan.specs), plan.recomputed, self.options.mesh)
-        donate = ()
-        if state_out is not None:
-            out_list = list(out_shardings)
-            out_list[state_out] = in_shardings[0]           # the state keeps its layout
-            out_shardings = tuple(out_list)
-            donate = (0,) if self.options.donate else ()
-        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                         donate_argnums=donate, keep_unused=True)
-        compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
-        return in_shardings, out_shardings, state_out, jitted, compiled
+        return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
+                            self.options.donate)
 
     def _fit(self, traced, build, plan: Plan, applied, abstract, state_out) -> tuple[Plan, tuple]:
         """The compiler is the judge: while the compiled step is over the budget, solve again
@@ -319,6 +310,31 @@ class OptimizedStep:
         prepared = self.lower(*args) if args else self.prepared
         return verify_prepared(prepared, self.options.mesh,
                                functionalize(self.train_step, args) if args else None, steps)
+
+
+def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
+                 state_out: int | None = None, donate: bool = True) -> tuple:
+    """Apply ``plan`` to the traced step and compile it for ``abstract``'s argument shapes.
+
+    Args:
+      state_out: position of the updated state among the outputs (see carried_state): it gets
+        the input state's layout and, with ``donate``, reuses its buffers.
+
+    Returns:
+      ``(in_shardings, out_shardings, state_out, jitted, compiled)``.
+    """
+    fn, in_shardings, out_shardings = applied_function(
+        traced, list(plan.specs), plan.recomputed, mesh)
+    donate_argnums = ()
+    if state_out is not None:
+        out_list = list(out_shardings)
+        out_list[state_out] = in_shardings[0]           # the state keeps its layout
+        out_shardings = tuple(out_list)
+        donate_argnums = (0,) if donate else ()
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=donate_argnums, keep_unused=True)
+    compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
+    return in_shardings, out_shardings, state_out, jitted, compiled
 
 
 def compiler_options() -> dict:

@@ -22,8 +22,8 @@ from kiwi_jax.sharding import Comm, reshard_comms, spec_str
 import solvers
 from solvers.simulator import simulate
 
-__all__ = ["Plan", "make_plan", "solve_plan", "resolve_budget", "predicted_comms",
-           "attributed_comms", "by_kind"]
+__all__ = ["Plan", "make_plan", "solve_plan", "plan_from_solution", "resolve_budget",
+           "predicted_comms", "attributed_comms", "by_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,16 @@ def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **optio
     start = time.perf_counter()
     solution = solvers.solve(problem, budget, solver=solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
+    return plan_from_solution(build, solution, budget)
+
+
+def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: int) -> Plan:
+    """The plan of a solver's answer, simulated on the problem."""
+    problem = build.problem
     sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
     return Plan(
-        solver=solver, status=str(solution.status.name.lower()), mesh_shape=build.mesh.shape,
+        solver=solution.solver, status=str(solution.status.name.lower()),
+        mesh_shape=build.mesh.shape,
         cluster=build.cluster.name, budget_bytes=budget, strategy=np.asarray(solution.strategy),
         keep=np.asarray(solution.keep),
         recomputed=tuple(int(i) for i in solution.recomputed),
