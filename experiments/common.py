@@ -1,25 +1,228 @@
-"""Shared pieces of the experiment scripts: the papers' reference numbers and result files."""
+"""Shared pieces of the experiment scripts: the papers' reference numbers, result files, the
+budget sweep of KIWI's Fig. 2 and 3, and plotting."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import sys
+import time
 
-__all__ = ["KIWI_TABLE2", "RESULTS_DIR", "write_result"]
+import numpy as np
+
+import solvers
+
+__all__ = ["KIWI_TABLE2", "SWEEP_METHODS", "TIED_MODELS", "results_path", "write_result",
+           "budget_sweep", "sweep_fractions", "problem_of", "pyplot", "byte_unit",
+           "overhead_axes", "PlanCompiler"]
+
 
 KIWI_TABLE2 = {1: 308, 4: 1192, 8: 2254, 12: 3366, 16: 4478, 20: 5590}
 """KIWI Table 2: HLO operators per encoder depth."""
 
-RESULTS_DIR = pathlib.Path(os.environ.get("KIWI_RESULTS_DIR", "results"))
+SWEEP_METHODS = ("alpa", "alpa+dots", "alpa+megatron", "kiwi")
+"""The methods of KIWI's Fig. 2 and 3."""
+
+TIED_MODELS = ("gpt", "bert")
+"""Models whose sweeps solve with layer reuse: their full 4-layer programs do not finish in
+a sweep's time per solve on 2 cores (docs/solvers.md); small MLPs solve untied."""
+
+def results_path(name: str) -> pathlib.Path:
+    """``results/<name>`` (the folder is ``$KIWI_RESULTS_DIR`` when set), folder created."""
+    folder = pathlib.Path(os.environ.get("KIWI_RESULTS_DIR", "results"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
 
 
 def write_result(study: str, result: dict, print_json: bool = False) -> pathlib.Path:
     """Write ``results/<study>.json``; with ``print_json``, also print the result as the last
     line of stdout (the ``--json`` convention of every study)."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{study}.json"
+    path = results_path(f"{study}.json")
     path.write_text(json.dumps(result, indent=2, default=str))
     if print_json:
         print(json.dumps(result))
     return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def problem_of(model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",
+               merge: bool = True, **config):
+    """``(build, seconds)``: the sharding problem of a reference model's train step, traced
+    with abstract arguments (nothing is allocated); ``merge``: follower merging."""
+    from kiwi_jax.frontend import problem_for_step
+    from kiwi_jax.models import build
+
+    ref = build(model, layers=layers, **config)
+    start = time.perf_counter()
+    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                mesh=mesh, cluster=cluster, merge=merge)
+    return built, time.perf_counter() - start
+
+
+def sweep_fractions(lowest: float, step: float = 0.05) -> list[float]:
+    """Budget fractions from 100% down in ``step``s, ending with the first one under
+    ``lowest`` (the point where every method has failed)."""
+    fractions = [1.0]
+    while fractions[-1] >= lowest:
+        fractions.append(round(fractions[-1] - step, 4))
+        if fractions[-1] <= 0:
+            fractions.pop()
+            break
+    return fractions
+
+
+def _plan_row(problem, sol, reference) -> dict:
+    sim = solvers.simulate(problem, sol.strategy, recompute_at=sol.recompute_at)
+    recomputed = sol.recomputed
+    recomputed_bytes = sum(int(problem.memory[i][sol.strategy[i]]) for i in recomputed)
+    return {"feasible": True, "status": sol.status.value, "gap": sol.gap,
+            "solve_seconds": round(sol.solve_seconds, 3), "step_seconds": sim.step_seconds,
+            "normalised_overhead": sim.step_seconds / reference.objective,
+            "peak_bytes": int(sim.peak_bytes), "recomputed_nodes": int(len(recomputed)),
+            "recomputed_bytes": recomputed_bytes, "recompute_seconds": sim.recompute_seconds,
+            "comm_seconds": sim.comm_seconds + sim.reshard_seconds}
+
+
+def _progress(row: dict) -> None:
+    """One line per sweep point on stderr (sweeps of the big models take many minutes)."""
+    outcome = (f"{row['normalised_overhead']:.4f} in {row['solve_seconds']:.1f} s"
+               if row["feasible"] else row["status"])
+    print(f"  {row['budget_fraction']:7.2%} {row['method']:14s} {outcome}", file=sys.stderr,
+          flush=True)
+
+
+def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
+                 time_limit: float = 60.0, reuse_layers: bool = True, on_plan=None) -> list[dict]:
+    """Every method at budgets from the reference peak down past the point where all fail.
+
+    Each method's lowest-peak plan comes first (the same program with the peak minimised): a
+    budget under its proven lower bound is recorded infeasible without a solve, its peak is one
+    of the sweep's points (so each method's curve ends where the method stops fitting), and it
+    warm-starts the method's solves. ``kiwi`` is also started from ``alpa``'s plan at the same
+    budget when that is faster (a plan without recomputation is a ``kiwi`` plan).
+    ``on_plan(method, budget, solution)`` is called for every plan found (e.g. to compile it)
+    and returns fields for its row.
+
+    Returns:
+      One row per (budget, method): budget_bytes, budget_fraction, method, feasible,
+      normalised_overhead (simulated step / the reference's), ...
+    """
+    lowest = {}
+    for method in methods:
+        lowest[method] = solvers.min_peak_plan(problem, method, time_limit=time_limit,
+                                               reuse_layers=reuse_layers)
+        print(f"  {method}: smallest feasible budget {lowest[method][1]} B", file=sys.stderr,
+              flush=True)
+    known = [low / reference.peak_bytes for _, low in lowest.values() if low is not None]
+    budgets = {int(f * reference.peak_bytes): f
+               for f in sweep_fractions(min(known) if known else 1.0, step)}
+    for plan, _ in lowest.values():
+        if plan is not None:
+            budgets.setdefault(int(plan.budget_bytes), plan.budget_bytes / reference.peak_bytes)
+    rows = []
+    for budget in sorted(budgets, reverse=True):
+        found = {}
+        for method in methods:
+            plan, low = lowest[method]
+            row = {"method": method, "budget_bytes": budget,
+                   "budget_fraction": round(budget / reference.peak_bytes, 4),
+                   "min_feasible_bytes": plan and int(plan.budget_bytes)}
+            if low is None or budget < low:
+                row.update(feasible=False, status="infeasible", solve_seconds=0.0)
+                _progress(row)
+                rows.append(row)
+                continue
+            starts = [p for p in (plan if plan.budget_bytes <= budget else None,
+                                  found.get("alpa") if method == "kiwi" else None) if p]
+            warm = min(starts, key=lambda p: p.objective) if starts else "auto"
+            try:
+                sol = solvers.solve(problem, budget, solver=method, time_limit=time_limit,
+                                    reuse_layers=reuse_layers, search_min_feasible=False,
+                                    warm_start=warm)
+            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as err:
+                row.update(feasible=False, status=type(err).__name__)
+            else:
+                found[method] = sol
+                row.update(_plan_row(problem, sol, reference))
+                if on_plan is not None:
+                    row.update(on_plan(method, budget, sol))
+            _progress(row)
+            rows.append(row)
+    return rows
+
+
+def byte_unit(peak: float) -> tuple[float, str]:
+    """``(scale, name)`` to plot per-device bytes of this size in: GB, or MiB for small models."""
+    return (1e9, "GB") if peak >= 1e8 else (2**20, "MiB")
+
+
+def overhead_axes(ax, rows, title: str, reference_peak: float) -> None:
+    """One panel of KIWI's Fig. 2: normalised overhead against the per-device budget (GB), one
+    line per method, ending where the method stops fitting."""
+    styles = {"alpa": ("C0", "o"), "alpa+dots": ("C1", "s"), "alpa+megatron": ("C2", "^"),
+              "alpa+full": ("C4", "v"), "kiwi": ("C3", "D")}
+    scale, unit = byte_unit(reference_peak)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["budget_bytes"] / scale, r["normalised_overhead"]) for r in rows
+                     if r["method"] == method and r["feasible"])
+        if pts:
+            color, marker = styles.get(method, ("k", "."))
+            ax.plot(*np.array(pts).T, color=color, marker=marker, ms=3, lw=1.2, label=method)
+    ax.axvline(reference_peak / scale, color="0.7", lw=0.8, ls=":")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(f"per-device budget ({unit})", fontsize=8)
+    ax.set_ylabel("overhead / alpa no limit", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.invert_xaxis()
+
+
+class PlanCompiler:
+    """Applies plans of one reference step on one mesh of the simulated devices and compiles
+    them: the compiled per-device memory next to the predicted one.
+
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before jax is imported.
+    """
+
+    def __init__(self, model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",
+                 **config):
+        import jax
+
+        from kiwi_jax.apply import trace_for_planning
+        from kiwi_jax.cluster import Cluster, MeshSpec
+        from kiwi_jax.models import build
+        from kiwi_jax.problem import build_problem
+        from kiwi_jax.step import carried_state, functionalize
+
+        ref = build(model, layers=layers, **config)
+        self.pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
+        self.traced = trace_for_planning(self.pure)
+        spec = MeshSpec.parse(mesh)
+        self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster))
+        size = spec.shape[0] * spec.shape[1]
+        self.mesh = jax.make_mesh(spec.shape, ("data", "model"), devices=jax.devices()[:size],
+                                  axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        self.state_out = carried_state(self.pure, jax.eval_shape(self.pure.fn, *self.pure.args))
+
+    def compiled_memory(self, solution, budget: int) -> dict:
+        """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the
+        solution applied and compiled, and whether it fits ``budget``."""
+        from hlo_tools.compiled import device_memory
+        from kiwi_jax.optimize import compile_plan
+        from kiwi_jax.plan import plan_from_solution
+
+        plan = plan_from_solution(self.build, solution, budget)
+        start = time.perf_counter()
+        compiled = compile_plan(self.traced, plan, self.mesh, self.pure, self.state_out)[-1]
+        peak = device_memory(compiled).peak_bytes
+        return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
+                "compile_seconds": round(time.perf_counter() - start, 2)}

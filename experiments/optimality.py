@@ -4,7 +4,7 @@ MLP at 20/40/60/80% of the reference peak.
 Latencies are simulated step times normalised by the reference plan (the fastest ``alpa`` plan
 with no memory limit), as in KIWI's table; solve times are the mean over repeated solves with a
 95% confidence interval (Student's t). The MLP is activation-heavy (batch 2048, width 1024, fp32)
-so that recomputation matters; ``--quick`` uses 3 layers and one repeat.
+so that recomputation matters; ``--quick`` uses 2 layers of width 128 and one repeat.
 
 Usage: python -m experiments.optimality [--json] [--quick] [--repeats 3]
 """
@@ -15,14 +15,17 @@ import argparse
 import math
 import statistics
 
+import numpy as np
+
 import solvers
-from experiments.common import write_result
-from kiwi_jax.frontend import problem_for_step
-from kiwi_jax.models import build
+from experiments.common import problem_of, pyplot, results_path, write_result
 
 KIWI_TABLE1 = {0.2: (8.35, 1717.18, 8.35, 0.79), 0.4: (4.88, 660.41, 5.09, 0.91),
                0.6: (2.71, 718.49, 3.13, 0.80), 0.8: (1.54, 39.71, 1.72, 0.67)}
 """KIWI Table 1: budget -> (full latency, full seconds, reduced latency, reduced seconds)."""
+FULL_SHAPE = {"batch": 2048, "width": 1024}
+"""Activation-heavy, so that recomputation matters (fp32)."""
+QUICK_SHAPE = {"batch": 256, "width": 128, "in_dim": 128, "out_dim": 128}
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
@@ -40,7 +43,7 @@ def _solve(problem, solver, budget, reference, repeats, time_limit):
     for seed in range(repeats):
         try:
             runs.append(solvers.solve(problem, budget, solver=solver, seed=seed,
-                                      time_limit=time_limit))
+                                      time_limit=time_limit, search_min_feasible=False))
         except solvers.InfeasibleBudgetError:
             return None
     seconds = _interval([r.solve_seconds for r in runs])
@@ -52,19 +55,49 @@ def _solve(problem, solver, budget, reference, repeats, time_limit):
             "recompute_events": int(sum(len(v) for v in best.recompute_at.values()))}
 
 
+def plot(result: dict, path) -> None:
+    """Normalised latency and solve seconds (95% interval) of kiwi and kiwi-full per budget,
+    next to KIWI's Table 1."""
+    plt = pyplot()
+    fig, (lat, sec) = plt.subplots(1, 2, figsize=(9, 3.4))
+    rows = result["rows"]
+    x = np.arange(len(rows))
+    for i, (name, key, paper) in enumerate((("kiwi-full", "kiwi_full", 0), ("kiwi", "kiwi", 2))):
+        lat.bar(x + (i - 0.5) * 0.4, [r[f"{key}_latency"] or 0 for r in rows], 0.4,
+                color=f"C{i}", label=f"{name} (ours)")
+        lat.plot(x + (i - 0.5) * 0.4, [KIWI_TABLE1[r["budget_fraction"]][paper] for r in rows],
+                 "_", color="k", ms=14, mew=2)
+        sec.errorbar(x + (i - 0.5) * 0.2, [r[f"{key}_solve_seconds"] or np.nan for r in rows],
+                     yerr=[r[f"{key}_solve_seconds_ci95"] or 0 for r in rows], fmt="o",
+                     color=f"C{i}", capsize=3, label=f"{name} (ours)")
+        sec.plot(x + (i - 0.5) * 0.2, [KIWI_TABLE1[r["budget_fraction"]][paper + 1]
+                                       for r in rows], "_", color="k", ms=10, mew=2)
+    for ax in (lat, sec):
+        ax.set_xticks(x, [f"{r['budget_fraction']:.0%}" for r in rows])
+        ax.set_xlabel("budget (bars/dots missing: infeasible; black: KIWI Table 1)", fontsize=8)
+    lat.set_ylabel("step / alpa no limit")
+    sec.set_ylabel("solve seconds (95% interval)")
+    sec.set_yscale("log")
+    lat.legend(fontsize=7)
+    fig.suptitle(f"{result['layers']}-layer MLP on {result['mesh']}: reduced vs full program "
+                 "(KIWI Table 1)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 layers, one repeat")
+    parser.add_argument("--quick", action="store_true", help="2 layers of width 128, one repeat")
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--time-limit", type=float, default=1800.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    layers, repeats = (3, 1) if args.quick else (args.layers, args.repeats)
-    ref = build("mlp", layers=layers, batch=2048, width=1024)
-    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                mesh=args.mesh, cluster="v100-nvlink")
+    layers, repeats = (2, 1) if args.quick else (args.layers, args.repeats)
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    built, _ = problem_of("mlp", layers, args.mesh, **shape)
     problem = built.problem
     reference = solvers.reference_plan(problem)
     rows = []
@@ -78,20 +111,22 @@ def main(argv=None) -> dict:
                "paper_kiwi_full_latency": paper[0], "paper_kiwi_full_solve_seconds": paper[1],
                "paper_kiwi_latency": paper[2], "paper_kiwi_solve_seconds": paper[3]}
         for name, res in (("kiwi", kiwi), ("kiwi_full", full)):
-            for key, value in (res or {}).items():
-                row[f"{name}_{key}"] = value
+            for key in ("latency", "solve_seconds", "solve_seconds_ci95", "status", "gap",
+                        "num_vars", "recomputed", "recompute_events"):
+                row[f"{name}_{key}"] = (res or {}).get(key)
         if kiwi and full:
             row["latency_ratio"] = kiwi["latency"] / full["latency"]
             row["speedup"] = full["solve_seconds"] / max(kiwi["solve_seconds"], 1e-9)
         rows.append(row)
-        print(f"{fraction:.0%}: kiwi {row.get('kiwi_latency', float('nan')):.3f} in "
-              f"{row.get('kiwi_solve_seconds', float('nan')):.2f} s, kiwi-full "
-              f"{row.get('kiwi_full_latency', float('nan')):.3f} in "
-              f"{row.get('kiwi_full_solve_seconds', float('nan')):.2f} s", flush=True)
-    result = {"study": "optimality", "layers": layers, "mesh": args.mesh,
+        print(f"{fraction:.0%}: " + ", ".join(
+            f"{name} {row[f'{key}_latency']:.3f} in {row[f'{key}_solve_seconds']:.2f} s"
+            if row[f"{key}_latency"] is not None else f"{name} infeasible"
+            for name, key in (("kiwi", "kiwi"), ("kiwi-full", "kiwi_full"))), flush=True)
+    result = {"study": "optimality", "layers": layers, "mesh": args.mesh, **shape,
               "operators": problem.num_nodes, "repeats": repeats,
               "reference_step_seconds": reference.objective,
               "reference_peak_bytes": reference.peak_bytes, "rows": rows}
+    plot(result, results_path("optimality.png"))
     write_result("optimality", result, print_json=args.json)
     return result
 

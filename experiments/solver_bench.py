@@ -24,9 +24,7 @@ import time
 
 import solvers
 import solvers.joint
-from experiments.common import write_result
-from kiwi_jax.frontend import problem_for_step
-from kiwi_jax.models import build
+from experiments.common import problem_of, write_result
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +35,8 @@ def _problem(model: str, layers: int, mesh: str = "2x4", merge: bool = True, **o
     """The problem of a reference model (KIWI's layer config for gpt and bert unless
     overridden)."""
     kwargs = {"preset": "kiwi"} if model in ("gpt", "bert") and not overrides else {}
-    ref = build(model, layers=layers, **kwargs, **overrides)
-    built, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                      mesh=mesh, cluster="v100-nvlink", merge=merge)
-    return built.problem, timings
+    build, seconds = problem_of(model, layers, mesh, merge=merge, **kwargs, **overrides)
+    return build.problem, seconds
 
 
 def _row(problem, solver, budget, reference, **options) -> dict:
@@ -100,7 +96,7 @@ def depth(depths, time_limit) -> list[dict]:
     rows = []
     for layers in depths:
         start = time.perf_counter()
-        problem, timings = _problem("gpt", layers)
+        problem, _ = _problem("gpt", layers)
         built = time.perf_counter() - start
         reference = solvers.reference_plan(problem, time_limit=time_limit)
         row = _row(problem, "kiwi", int(0.8 * reference.peak_bytes), reference,

@@ -201,10 +201,10 @@ def min_peak_plan(problem: ShardingProblem, solver: str = "kiwi",
     minimised instead of the step time. It fits every budget at or above its peak, so it is a
     warm start for any of them.
 
-    The program's memory model is conservative against the simulator (byte counts rounded up
-    to its units), so the budget a plan needs *in the program* is its claimed peak, which can
-    be a little above its simulated one; that is the budget reported, and the smallest one
-    under which :func:`solve` finds a plan.
+    The program's memory rows bound the simulator's replay from above (the claimed peak is
+    never below the simulated one, and on the 1-layer GPT it was above), so the budget a plan
+    needs *in the program* is its claimed peak; that is the budget reported, and the smallest
+    one under which :func:`solve` finds a plan.
 
     Returns:
       ``(plan, lower)``: the plan (its ``objective`` is its simulated step time, its
