@@ -1,0 +1,95 @@
+"""The quick versions of the experiment studies: each writes its JSON and PNG, prints the JSON
+as its last stdout line, and its figures obey what the solvers guarantee."""
+
+import json
+
+import pytest
+
+from experiments import bandwidth_sweep, mesh_sweep, optimality, solver_scaling
+
+TOL = 1e-6
+
+
+@pytest.fixture()
+def results(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIWI_RESULTS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _run(module, results, capsys, study: str) -> dict:
+    returned = module.main(["--quick", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["study"] == study
+    assert json.loads((results / f"{study}.json").read_text())["rows"] == printed["rows"]
+    assert (results / f"{study}.png").stat().st_size > 10_000
+    assert len(printed["rows"]) == len(returned["rows"])
+    return printed
+
+
+def _by_budget(rows) -> dict:
+    table = {}
+    for row in rows:
+        table.setdefault(row["budget_bytes"], {})[row["method"]] = row
+    return table
+
+
+def test_mesh_sweep_quick(results, capsys):
+    result = _run(mesh_sweep, results, capsys, "mesh_sweep")
+    rows = result["rows"]
+    assert {"mesh", "budget_bytes", "method", "feasible", "normalised_overhead"} <= \
+        set(next(r for r in rows if r["feasible"]))
+    table = _by_budget(rows)
+    feasible = [b for b, methods in table.items() if any(r["feasible"] for r in methods.values())]
+    assert feasible and len(feasible) < len(table), "the sweep goes past where all methods fail"
+    for methods in table.values():
+        kiwi = methods["kiwi"]
+        for row in methods.values():
+            if row["feasible"]:       # kiwi fits wherever a baseline does, and is no slower
+                assert kiwi["feasible"]
+                assert kiwi["normalised_overhead"] <= row["normalised_overhead"] + TOL
+                assert row["peak_bytes"] <= row["budget_bytes"]
+    # every plan of the small study was applied and compiled by XLA
+    compiled = [r for r in result["compiled"][0]["rows"] if r["feasible"]]
+    assert compiled and all(r["compiled_peak_bytes"] > 0 for r in compiled)
+    assert (results / "mesh_sweep_compiled.png").exists()
+
+
+def test_bandwidth_sweep_quick(results, capsys):
+    result = _run(bandwidth_sweep, results, capsys, "bandwidth_sweep")
+    assert [s["slowdown"] for s in result["sweeps"]] == [1, 10, 100]
+    first = [s["reference_step_seconds"] for s in result["sweeps"]]
+    assert first[0] < first[1] < first[2], "slower links make the fastest plan slower"
+    for sweep in result["sweeps"]:
+        for methods in _by_budget(sweep["rows"]).values():
+            if methods["alpa"]["feasible"]:
+                assert methods["kiwi"]["normalised_overhead"] <= \
+                    methods["alpa"]["normalised_overhead"] + TOL
+
+
+def test_solver_scaling_quick(results, capsys):
+    result = _run(solver_scaling, results, capsys, "solver_scaling")
+    rows = result["rows"]
+    assert {"layers", "operators", "solver", "solve_seconds"} <= set(rows[0])
+    ops = {r["layers"]: r["operators"] for r in rows}
+    assert list(ops) == [2, 3] and ops[2] < ops[3]
+    for row in rows:
+        assert row["feasible"] and row["solve_seconds"] > 0
+        # a tied plan is a plan of the full program: never faster than the full solve's optimum
+        if row["reuse_layers"] and row["status"] == "optimal":
+            full = next(r for r in rows if r["layers"] == row["layers"] and not r["reuse_layers"]
+                        and (r["solver"], r["budget_fraction"])
+                        == (row["solver"], row["budget_fraction"]))
+            if full["status"] == "optimal":
+                assert full["normalised_step"] <= row["normalised_step"] * (1 + 1e-4)
+
+
+def test_optimality_quick(results, capsys):
+    result = _run(optimality, results, capsys, "optimality")
+    rows = result["rows"]
+    assert [r["budget_fraction"] for r in rows] == [0.2, 0.4, 0.6, 0.8]
+    assert {"kiwi_latency", "kiwi_full_latency", "kiwi_solve_seconds",
+            "kiwi_full_solve_seconds"} <= set(rows[0])
+    both = [r for r in rows if r["kiwi_latency"] and r["kiwi_full_latency"]]
+    assert both
+    for row in both:        # every reduced plan is a staged plan
+        assert row["kiwi_full_latency"] <= row["kiwi_latency"] * (1 + 1e-4)
