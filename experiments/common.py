@@ -28,6 +28,7 @@ TIED_MODELS = ("gpt", "bert")
 """Models whose sweeps solve with layer reuse: their full 4-layer programs do not finish in
 a sweep's time per solve on 2 cores (docs/solvers.md); small MLPs solve untied."""
 
+
 def results_path(name: str) -> pathlib.Path:
     """``results/<name>`` (the folder is ``$KIWI_RESULTS_DIR`` when set), folder created."""
     folder = pathlib.Path(os.environ.get("KIWI_RESULTS_DIR", "results"))
@@ -121,8 +122,7 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
     for method in methods:
         lowest[method] = solvers.min_peak_plan(problem, method, time_limit=time_limit,
                                                reuse_layers=reuse_layers)
-        print(f"  {method}: smallest feasible budget {lowest[method][1]} B", file=sys.stderr,
-              flush=True)
+        print(f"  {method}: no plan under {lowest[method][1]} B", file=sys.stderr, flush=True)
     known = [low / reference.peak_bytes for _, low in lowest.values() if low is not None]
     budgets = {int(f * reference.peak_bytes): f
                for f in sweep_fractions(min(known) if known else 1.0, step)}
