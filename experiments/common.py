@@ -109,8 +109,9 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
     Each method's lowest-peak plan comes first (the same program with the peak minimised): a
     budget under its proven lower bound is recorded infeasible without a solve, its peak is one
     of the sweep's points (so each method's curve ends where the method stops fitting), and it
-    warm-starts the method's solves. ``kiwi`` is also started from ``alpa``'s plan at the same
-    budget when that is faster (a plan without recomputation is a ``kiwi`` plan).
+    warm-starts the method's solves. ``kiwi`` (last) starts from the fastest plan any method
+    found at the same budget: every baseline's plan is a plan of its program, so within a time
+    limit ``kiwi`` never ends slower than a baseline.
     ``on_plan(method, budget, solution)`` is called for every plan found (e.g. to compile it)
     and returns fields for its row.
 
@@ -142,8 +143,9 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
                 _progress(row)
                 rows.append(row)
                 continue
-            starts = [p for p in (plan if plan.budget_bytes <= budget else None,
-                                  found.get("alpa") if method == "kiwi" else None) if p]
+            starts = [plan] if plan.budget_bytes <= budget else []
+            if method == "kiwi":
+                starts += found.values()
             warm = min(starts, key=lambda p: p.objective) if starts else "auto"
             try:
                 sol = solvers.solve(problem, budget, solver=method, time_limit=time_limit,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments import bandwidth_sweep, mesh_sweep, optimality, solver_scaling
+from experiments import bandwidth_sweep, mesh_sweep, optimality, report, solver_scaling
 
 TOL = 1e-6
 
@@ -52,6 +52,8 @@ def test_mesh_sweep_quick(results, capsys):
     compiled = [r for r in result["compiled"][0]["rows"] if r["feasible"]]
     assert compiled and all(r["compiled_peak_bytes"] > 0 for r in compiled)
     assert (results / "mesh_sweep_compiled.png").exists()
+    assert "| mlp | 2x2 |" in report.mesh_table(result)
+    assert report.compiled_table(result).count("| mlp | 2x2 |") == len(compiled)
 
 
 def test_bandwidth_sweep_quick(results, capsys):
@@ -64,6 +66,7 @@ def test_bandwidth_sweep_quick(results, capsys):
             if methods["alpa"]["feasible"]:
                 assert methods["kiwi"]["normalised_overhead"] <= \
                     methods["alpa"]["normalised_overhead"] + TOL
+    assert report.bandwidth_table(result).count("| 100x |") == len(result["sweeps"][2]["rows"]) // 4
 
 
 def test_solver_scaling_quick(results, capsys):
@@ -81,6 +84,7 @@ def test_solver_scaling_quick(results, capsys):
                         == (row["solver"], row["budget_fraction"]))
             if full["status"] == "optimal":
                 assert full["normalised_step"] <= row["normalised_step"] * (1 + 1e-4)
+    assert report.scaling_table(result).count("\n") == len(rows) + 1
 
 
 def test_optimality_quick(results, capsys):
@@ -93,3 +97,5 @@ def test_optimality_quick(results, capsys):
     assert both
     for row in both:        # every reduced plan is a staged plan
         assert row["kiwi_full_latency"] <= row["kiwi_latency"] * (1 + 1e-4)
+    assert report.optimality_table(result).count("infeasible") == \
+        sum((r["kiwi_latency"] is None) + (r["kiwi_full_latency"] is None) for r in rows)

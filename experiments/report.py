@@ -1,0 +1,146 @@
+"""Markdown tables of the studies' JSON results (the tables of docs/results.md).
+
+Usage: python -m experiments.report [--results results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from experiments.optimality import KIWI_TABLE1
+
+GB = 1e9
+
+
+def _load(folder: pathlib.Path, study: str) -> dict | None:
+    path = folder / f"{study}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _speedups(rows) -> dict:
+    """Per baseline: the largest (baseline step / kiwi step) over budgets where both fit."""
+    table = {}
+    for row in rows:
+        table.setdefault(row["budget_bytes"], {})[row["method"]] = row
+    best = {}
+    for methods in table.values():
+        kiwi = methods.get("kiwi")
+        if not kiwi or not kiwi["feasible"]:
+            continue
+        for name, row in methods.items():
+            if name != "kiwi" and row["feasible"]:
+                ratio = row["step_seconds"] / kiwi["step_seconds"]
+                best[name] = max(best.get(name, 0.0), ratio)
+    return best
+
+
+def mesh_table(result: dict) -> str:
+    lines = ["| model | mesh | reference peak GB | smallest budget GB: alpa / +dots / +megatron"
+             " / kiwi | kiwi vs best baseline | largest speedup of kiwi over alpa / +dots /"
+             " +megatron | KIWI's smallest (GB) |", "|---|---|---|---|---|---|---|"]
+    for s in result["studies"]:
+        mins = {r["method"]: r["min_feasible_bytes"] for r in s["rows"]}
+        base = min(v for k, v in mins.items() if k != "kiwi" and v)
+        speed = _speedups(s["rows"])
+        lines.append(
+            f"| {s['model']} | {s['mesh']} | {s['reference_peak_bytes'] / GB:.2f} | "
+            + " / ".join(f"{mins[m] / GB:.2f}" if mins.get(m) else "-"
+                         for m in ("alpa", "alpa+dots", "alpa+megatron", "kiwi"))
+            + f" | {mins['kiwi'] / base:.3f} | "
+            + " / ".join(f"{speed.get(m, float('nan')):.3f}x"
+                         for m in ("alpa", "alpa+dots", "alpa+megatron"))
+            + f" | {s.get('paper_kiwi_min_budget_gb') or ''} |")
+    return "\n".join(lines)
+
+
+def compiled_table(result: dict) -> str:
+    lines = ["| model | mesh | method | budget MiB | predicted peak MiB | compiled peak MiB |"
+             " compiled / predicted | compiled fits |", "|---|---|---|---|---|---|---|---|"]
+    for s in result["compiled"]:
+        for r in s["rows"]:
+            if r.get("compiled_peak_bytes"):
+                lines.append(
+                    f"| {s['model']} | {s['mesh']} | {r['method']} | "
+                    f"{r['budget_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.2f} | "
+                    f"{r['compiled_peak_bytes'] / 2**20:.2f} | "
+                    f"{r['compiled_peak_bytes'] / r['peak_bytes']:.3f} | {r['compiled_fits']} |")
+    return "\n".join(lines)
+
+
+def bandwidth_table(result: dict) -> str:
+    lines = ["| links | budget | alpa | alpa+dots | alpa+megatron | kiwi | kiwi recomputed"
+             " (values, GiB/device) |", "|---|---|---|---|---|---|---|"]
+    for sweep in result["sweeps"]:
+        table = {}
+        for r in sweep["rows"]:
+            table.setdefault(r["budget_fraction"], {})[r["method"]] = r
+        for fraction in sorted(table, reverse=True):
+            row = table[fraction]
+            cells = [f"{row[m]['normalised_to_full_bandwidth']:.3f}" if row[m]["feasible"]
+                     else "-" for m in ("alpa", "alpa+dots", "alpa+megatron", "kiwi")]
+            kiwi = row["kiwi"]
+            recomputed = (f"{kiwi['recomputed_nodes']}, {kiwi['recomputed_bytes'] / 2**30:.2f}"
+                          if kiwi["feasible"] else "-")
+            lines.append(f"| {sweep['slowdown']}x | {fraction:.1%} | " + " | ".join(cells)
+                         + f" | {recomputed} |")
+    return "\n".join(lines)
+
+
+def scaling_table(result: dict) -> str:
+    lines = ["| layers | operators (KIWI) | solver | budget | graph | variables | solve s |"
+             " status | step / reference |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        paper = f" ({r['paper_operators']})" if r.get("paper_operators") else ""
+        lines.append(
+            f"| {r['layers']} | {r['operators']}{paper} | {r['solver']} | "
+            f"{r['budget_fraction']:.0%} | {'tied' if r['reuse_layers'] else 'full'} | "
+            f"{r.get('num_vars', '-')} | {r['solve_seconds']:.1f} | {r['status']} | "
+            + (f"{r['normalised_step']:.4f}" if r.get("normalised_step") else "-") + " |")
+    return "\n".join(lines)
+
+
+def optimality_table(result: dict) -> str:
+    lines = ["| budget | kiwi-full latency | kiwi latency | kiwi / kiwi-full | solve s kiwi-full |"
+             " solve s kiwi | KIWI paper: full / reduced latency, solve s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        paper = KIWI_TABLE1[r["budget_fraction"]]
+
+        def cell(key, ci=None):
+            if r.get(key) is None:
+                return "infeasible"
+            return f"{r[key]:.3f}" + (f" ± {r[ci]:.2f}" if ci and r.get(ci) else "")
+        ratio = (f"{r['kiwi_latency'] / r['kiwi_full_latency']:.4f}"
+                 if r.get("kiwi_latency") and r.get("kiwi_full_latency") else "-")
+        lines.append(
+            f"| {r['budget_fraction']:.0%} | {cell('kiwi_full_latency')} | "
+            f"{cell('kiwi_latency')} | {ratio} | "
+            f"{cell('kiwi_full_solve_seconds', 'kiwi_full_solve_seconds_ci95')} | "
+            f"{cell('kiwi_solve_seconds', 'kiwi_solve_seconds_ci95')} | "
+            f"{paper[0]} / {paper[2]}, {paper[1]} / {paper[3]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="results")
+    args = parser.parse_args(argv)
+    folder = pathlib.Path(args.results)
+    parts = []
+    for study, key, render in (("mesh_sweep", "studies", mesh_table),
+                               ("mesh_sweep_compiled", "compiled", compiled_table),
+                               ("bandwidth_sweep", "sweeps", bandwidth_table),
+                               ("solver_scaling", "rows", scaling_table),
+                               ("optimality", "rows", optimality_table)):
+        result = _load(folder, study)
+        if result and result.get(key):
+            parts.append(f"### {study}\n\n{render(result)}\n")
+    text = "\n".join(parts)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
