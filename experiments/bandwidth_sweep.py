@@ -17,7 +17,7 @@ import time
 
 import solvers
 from experiments.common import (TIED_MODELS, budget_sweep, overhead_axes, problem_of, pyplot,
-                                results_path, write_result)
+                                results_path, save_figure, write_result)
 
 SLOWDOWNS = (1, 10, 100)
 QUICK = {"model": "mlp", "layers": 2, "mesh": "1x4",
@@ -73,10 +73,7 @@ def plot(sweeps: list[dict], path) -> None:
     ax.invert_xaxis()
     ax.legend(fontsize=7)
     ax.tick_params(labelsize=7)
-    fig.suptitle("4-layer decoder on (1, 4), slower links (KIWI Fig. 3)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, "4-layer decoder on (1, 4), slower links (KIWI Fig. 3)", path)
 
 
 def main(argv=None) -> dict:

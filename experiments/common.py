@@ -14,7 +14,7 @@ import numpy as np
 import solvers
 
 __all__ = ["KIWI_TABLE2", "SWEEP_METHODS", "TIED_MODELS", "results_path", "write_result",
-           "budget_sweep", "sweep_fractions", "problem_of", "pyplot", "byte_unit",
+           "budget_sweep", "sweep_fractions", "problem_of", "pyplot", "save_figure", "byte_unit",
            "overhead_axes", "PlanCompiler"]
 
 
@@ -54,6 +54,14 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, title: str, path) -> None:
+    """Title, lay out, write the PNG and free the figure."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
 
 
 def problem_of(model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",

@@ -34,7 +34,8 @@ import time  # noqa: E402
 
 import solvers  # noqa: E402
 from experiments.common import (TIED_MODELS, PlanCompiler, budget_sweep, byte_unit,  # noqa: E402
-                                overhead_axes, problem_of, pyplot, results_path, write_result)
+                                overhead_axes, problem_of, pyplot, results_path, save_figure,
+                                write_result)
 
 MESHES = ("1x8", "2x4", "4x2", "8x1", "1x4", "2x2")
 COMPILED_CONFIG = {"hidden": 256, "heads": 4, "seq": 128, "batch": 8}
@@ -96,10 +97,7 @@ def plot(studies: list[dict], path, title: str) -> None:
                 ax.plot(row["compiled_peak_bytes"] / scale, row["normalised_overhead"], "x",
                         color="k", ms=4)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, title, path)
 
 
 def replot() -> dict:

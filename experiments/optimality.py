@@ -18,7 +18,7 @@ import statistics
 import numpy as np
 
 import solvers
-from experiments.common import problem_of, pyplot, results_path, write_result
+from experiments.common import problem_of, pyplot, results_path, save_figure, write_result
 
 KIWI_TABLE1 = {0.2: (8.35, 1717.18, 8.35, 0.79), 0.4: (4.88, 660.41, 5.09, 0.91),
                0.6: (2.71, 718.49, 3.13, 0.80), 0.8: (1.54, 39.71, 1.72, 0.67)}
@@ -79,11 +79,8 @@ def plot(result: dict, path) -> None:
     sec.set_ylabel("solve seconds (95% interval)")
     sec.set_yscale("log")
     lat.legend(fontsize=7)
-    fig.suptitle(f"{result['layers']}-layer MLP on {result['mesh']}: reduced vs full program "
-                 "(KIWI Table 1)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, f"{result['layers']}-layer MLP on {result['mesh']}: reduced vs full "
+                "program (KIWI Table 1)", path)
 
 
 def main(argv=None) -> dict:

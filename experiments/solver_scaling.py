@@ -17,7 +17,8 @@ import logging
 import time
 
 import solvers
-from experiments.common import KIWI_TABLE2, problem_of, pyplot, results_path, write_result
+from experiments.common import (KIWI_TABLE2, problem_of, pyplot, results_path, save_figure,
+                                write_result)
 
 DEPTHS = (1, 2, 4, 8, 12, 16, 20)
 QUICK = {"model": "mlp", "depths": (2, 3), "mesh": "2x2",
@@ -97,10 +98,7 @@ def plot(rows: list[dict], path, time_limit: float) -> None:
     ops.set_xlabel("layers")
     ops.set_ylabel("operators")
     ops.legend(fontsize=7)
-    fig.suptitle("Solver scalability (KIWI Fig. 4, Table 2)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, "Solver scalability (KIWI Fig. 4, Table 2)", path)
 
 
 def main(argv=None) -> dict:
