@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from solvers.problem import PHASES, ShardingProblem
+from solvers.problem import ShardingProblem
 
 __all__ = ["keep_all", "keep_dots", "keep_megatron", "keep_layer_inputs", "RULES"]
-
-PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
 
 
 def keep_all(problem: ShardingProblem) -> np.ndarray:
@@ -29,7 +27,7 @@ def keep_all(problem: ShardingProblem) -> np.ndarray:
 
 def _apply(problem: ShardingProblem, want_recompute: np.ndarray) -> np.ndarray:
     """Recompute the wanted recomputable nodes that eq. 9 allows, in topological order."""
-    recomputable = (problem.phase == FORWARD) & problem.z
+    recomputable = problem.recomputable
     keep = np.ones(problem.num_nodes, bool)
     operands = problem.operands()
     for j in np.flatnonzero(want_recompute & recomputable):

@@ -336,7 +336,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     model, n = b.model, problem.num_nodes
     cost = b.node_costs()
 
-    recomputable = (p.phase == FORWARD) & p.z
+    recomputable = p.recomputable
     m_vars: dict[int, int] = {}
     if fixed_keep is None:
         candidates = [int(i) for i in np.flatnonzero(recomputable)]

@@ -95,6 +95,16 @@ class ShardingProblem:
         return np.array([len(c) for c in self.compute])
 
     @property
+    def recomputable(self) -> np.ndarray:
+        """bool per node: forward values that may be dropped after the forward pass and
+        recomputed for the backward pass. KIWI's z_i, less the values a backward reader needs
+        before the last forward reader is done with them: those are alive throughout, dropping
+        them frees nothing, and counting their two lifetime parts separately would count the
+        overlap twice."""
+        return (self.phase == PHASES.index("forward")) & self.z \
+            & (self.first_bwd_use > self.fwd_last_use)
+
+    @property
     def leaders(self) -> np.ndarray:
         """Ids of the nodes that carry a strategy variable."""
         return np.flatnonzero(self.leader == np.arange(self.num_nodes))
@@ -149,7 +159,7 @@ class ShardingProblem:
             "backward_nodes": int((self.phase == 2).sum()),
             "optimizer_nodes": int((self.phase == 3).sum()),
             "param_nodes": int((self.phase == 0).sum()),
-            "recomputable_nodes": int(self.z.sum()),
+            "recomputable_nodes": int(self.recomputable.sum()),
             "mesh": f"{self.mesh_shape[0]}x{self.mesh_shape[1]}",
         }
 

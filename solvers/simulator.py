@@ -62,7 +62,7 @@ def reduced_schedule(problem: ShardingProblem, keep) -> dict[int, tuple[int, ...
     """KIWI's reduced semantics: each dropped forward value read by the backward pass is
     recomputed once, in the stage of its first backward reader."""
     keep = np.asarray(keep, bool)
-    dropped = (problem.phase == FORWARD) & problem.z & ~keep
+    dropped = problem.recomputable & ~keep
     return {int(i): (int(problem.first_bwd_use[i]),) for i in np.flatnonzero(dropped)}
 
 

@@ -8,7 +8,8 @@ import pytest
 
 import solvers
 from solvers import InfeasibleBudgetError, Status, simulate, solve
-from solver_graphs import chain_problem, make_problem, random_problem
+from solver_graphs import (BACKWARD, FORWARD, OPTIMIZER, PARAM, chain_problem, make_problem,
+                           random_problem)
 
 
 def check_claims(problem, solution, budget=None):
@@ -249,3 +250,16 @@ def test_optimum_matches_exhaustive_search(seed):
                     solve(p, budget, solver=solver)
                 continue
             assert solve(p, budget, solver=solver).objective == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_value_read_backward_before_its_last_forward_reader_counts_once():
+    # p -> a -> f (forward, after the first backward node g reads a) -> ... : a is alive from 1
+    # to 4 in one piece; the program must not count it twice while both parts overlap.
+    phases = [PARAM, FORWARD, BACKWARD, FORWARD, BACKWARD, OPTIMIZER]
+    edges = [(0, 1), (1, 2), (1, 3), (3, 4), (2, 4), (1, 4), (4, 5), (0, 5)]
+    memory = [[10], [100], [1], [1], [1], [10]]
+    p = make_problem(phases, edges, [[1.0]] * 6, memory, outputs=(5,))
+    assert p.z[1] and p.first_bwd_use[1] < p.fwd_last_use[1] and not p.recomputable[1]
+    peak = simulate(p, np.zeros(6, np.int64)).peak_bytes
+    for solver in ("alpa", "kiwi", "alpa+dots"):
+        check_claims(p, solve(p, peak, solver=solver), peak)
