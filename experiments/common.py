@@ -117,9 +117,11 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
     Each method's lowest-peak plan comes first (the same program with the peak minimised): a
     budget under its proven lower bound is recorded infeasible without a solve, its peak is one
     of the sweep's points (so each method's curve ends where the method stops fitting), and it
-    warm-starts the method's solves. ``kiwi`` (last) starts from the fastest plan any method
-    found at the same budget: every baseline's plan is a plan of its program, so within a time
-    limit ``kiwi`` never ends slower than a baseline.
+    warm-starts the method's solves. Budgets are solved from the smallest up, and each solve
+    also starts from the method's plan at the budget below (it fits), so more memory never
+    gives a slower plan, time limits or not. ``kiwi`` (last) also starts from the fastest plan
+    any method found at the same budget: every baseline's plan is a plan of its program, so
+    ``kiwi`` never ends slower than a baseline.
     ``on_plan(method, budget, solution)`` is called for every plan found (e.g. to compile it)
     and returns fields for its row.
 
@@ -138,8 +140,8 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
     for plan, _ in lowest.values():
         if plan is not None:
             budgets.setdefault(int(plan.budget_bytes), plan.budget_bytes / reference.peak_bytes)
-    rows = []
-    for budget in sorted(budgets, reverse=True):
+    rows, previous = [], {}
+    for budget in sorted(budgets):
         found = {}
         for method in methods:
             plan, low = lowest[method]
@@ -152,6 +154,7 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
                 rows.append(row)
                 continue
             starts = [plan] if plan.budget_bytes <= budget else []
+            starts += [previous[method]] if method in previous else []
             if method == "kiwi":
                 starts += found.values()
             warm = min(starts, key=lambda p: p.objective) if starts else "auto"
@@ -162,13 +165,13 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as err:
                 row.update(feasible=False, status=type(err).__name__)
             else:
-                found[method] = sol
+                found[method] = previous[method] = sol
                 row.update(_plan_row(problem, sol, reference))
                 if on_plan is not None:
                     row.update(on_plan(method, budget, sol))
             _progress(row)
             rows.append(row)
-    return rows
+    return sorted(rows, key=lambda r: -r["budget_bytes"])
 
 
 def byte_unit(peak: float) -> tuple[float, str]:

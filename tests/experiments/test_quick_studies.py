@@ -6,6 +6,7 @@ import json
 import pytest
 
 from experiments import bandwidth_sweep, mesh_sweep, optimality, report, solver_scaling
+from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
 
@@ -48,6 +49,10 @@ def test_mesh_sweep_quick(results, capsys):
                 assert kiwi["feasible"]
                 assert kiwi["normalised_overhead"] <= row["normalised_overhead"] + TOL
                 assert row["peak_bytes"] <= row["budget_bytes"]
+    for method in SWEEP_METHODS:        # more memory never gives a slower plan
+        steps = [r["normalised_overhead"] for r in sorted(rows, key=lambda r: r["budget_bytes"])
+                 if r["method"] == method and r["feasible"]]
+        assert all(b <= a + TOL for a, b in zip(steps, steps[1:]))
     # every plan of the small study was applied and compiled by XLA
     compiled = [r for r in result["compiled"][0]["rows"] if r["feasible"]]
     assert compiled and all(r["compiled_peak_bytes"] > 0 for r in compiled)
