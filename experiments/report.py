@@ -108,15 +108,15 @@ def optimality_table(result: dict) -> str:
     for r in result["rows"]:
         paper = KIWI_TABLE1[r["budget_fraction"]]
 
-        def cell(key, ci=None):
+        def cell(key, ci=None, missing="-"):
             if r.get(key) is None:
-                return "infeasible"
+                return missing
             return f"{r[key]:.3f}" + (f" ± {r[ci]:.2f}" if ci and r.get(ci) else "")
         ratio = (f"{r['kiwi_latency'] / r['kiwi_full_latency']:.4f}"
                  if r.get("kiwi_latency") and r.get("kiwi_full_latency") else "-")
         lines.append(
-            f"| {r['budget_fraction']:.0%} | {cell('kiwi_full_latency')} | "
-            f"{cell('kiwi_latency')} | {ratio} | "
+            f"| {r['budget_fraction']:.0%} | {cell('kiwi_full_latency', missing='infeasible')} | "
+            f"{cell('kiwi_latency', missing='infeasible')} | {ratio} | "
             f"{cell('kiwi_full_solve_seconds', 'kiwi_full_solve_seconds_ci95')} | "
             f"{cell('kiwi_solve_seconds', 'kiwi_solve_seconds_ci95')} | "
             f"{paper[0]} / {paper[2]}, {paper[1]} / {paper[3]} |")
