@@ -87,8 +87,11 @@ def plot(studies: list[dict], path, title: str) -> None:
     fig, axes = plt.subplots(len(models), len(meshes), squeeze=False,
                              figsize=(2.6 * len(meshes) + 0.5, 2.4 * len(models) + 0.6))
     names = {"gpt": "decoder", "bert": "encoder"}
+    for ax in axes.flat:
+        ax.axis("off")
     for s in studies:
         ax = axes[models.index(s["model"])][meshes.index(s["mesh"])]
+        ax.axis("on")
         overhead_axes(ax, s["rows"], f"{names.get(s['model'], s['model'])} {s['mesh']}",
                       s["reference_peak_bytes"])
         scale = byte_unit(s["reference_peak_bytes"])[0]
