@@ -38,14 +38,18 @@ def _interval(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def _solve(problem, solver, budget, reference, repeats, time_limit):
+def _solve(problem, solver, budget, reference, repeats, time_limit) -> dict:
+    """Repeated solves: the best plan's latency and the solve time's mean and 95% interval;
+    only a ``status`` when no plan was found (``infeasible``, ``timeout_no_incumbent``)."""
     runs = []
     for seed in range(repeats):
         try:
             runs.append(solvers.solve(problem, budget, solver=solver, seed=seed,
                                       time_limit=time_limit, search_min_feasible=False))
         except solvers.InfeasibleBudgetError:
-            return None
+            return {"status": "infeasible"}
+        except solvers.SolverTimeoutError:
+            return {"status": "timeout_no_incumbent"}
     seconds = _interval([r.solve_seconds for r in runs])
     best = min(runs, key=lambda r: r.objective)
     sim = solvers.simulate(problem, best.strategy, recompute_at=best.recompute_at)
@@ -104,20 +108,20 @@ def main(argv=None) -> dict:
         full = _solve(problem, "kiwi-full", budget, reference, repeats, args.time_limit)
         paper = KIWI_TABLE1[fraction]
         row = {"budget_fraction": fraction, "budget_bytes": budget,
-               "kiwi_feasible": kiwi is not None, "kiwi_full_feasible": full is not None,
+               "kiwi_feasible": "latency" in kiwi, "kiwi_full_feasible": "latency" in full,
                "paper_kiwi_full_latency": paper[0], "paper_kiwi_full_solve_seconds": paper[1],
                "paper_kiwi_latency": paper[2], "paper_kiwi_solve_seconds": paper[3]}
         for name, res in (("kiwi", kiwi), ("kiwi_full", full)):
             for key in ("latency", "solve_seconds", "solve_seconds_ci95", "status", "gap",
                         "num_vars", "recomputed", "recompute_events"):
-                row[f"{name}_{key}"] = (res or {}).get(key)
-        if kiwi and full:
+                row[f"{name}_{key}"] = res.get(key)
+        if row["kiwi_feasible"] and row["kiwi_full_feasible"]:
             row["latency_ratio"] = kiwi["latency"] / full["latency"]
             row["speedup"] = full["solve_seconds"] / max(kiwi["solve_seconds"], 1e-9)
         rows.append(row)
         print(f"{fraction:.0%}: " + ", ".join(
             f"{name} {row[f'{key}_latency']:.3f} in {row[f'{key}_solve_seconds']:.2f} s"
-            if row[f"{key}_latency"] is not None else f"{name} infeasible"
+            if row[f"{key}_latency"] is not None else f"{name} {row[f'{key}_status']}"
             for name, key in (("kiwi", "kiwi"), ("kiwi-full", "kiwi_full"))), flush=True)
     result = {"study": "optimality", "layers": layers, "mesh": args.mesh, **shape,
               "operators": problem.num_nodes, "repeats": repeats,

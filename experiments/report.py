@@ -115,8 +115,9 @@ def optimality_table(result: dict) -> str:
         ratio = (f"{r['kiwi_latency'] / r['kiwi_full_latency']:.4f}"
                  if r.get("kiwi_latency") and r.get("kiwi_full_latency") else "-")
         lines.append(
-            f"| {r['budget_fraction']:.0%} | {cell('kiwi_full_latency', missing='infeasible')} | "
-            f"{cell('kiwi_latency', missing='infeasible')} | {ratio} | "
+            f"| {r['budget_fraction']:.0%} | "
+            f"{cell('kiwi_full_latency', missing=r.get('kiwi_full_status') or 'infeasible')} | "
+            f"{cell('kiwi_latency', missing=r.get('kiwi_status') or 'infeasible')} | {ratio} | "
             f"{cell('kiwi_full_solve_seconds', 'kiwi_full_solve_seconds_ci95')} | "
             f"{cell('kiwi_solve_seconds', 'kiwi_solve_seconds_ci95')} | "
             f"{paper[0]} / {paper[2]}, {paper[1]} / {paper[3]} |")
