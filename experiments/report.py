@@ -37,13 +37,16 @@ def _speedups(rows) -> dict:
 
 
 def mesh_table(result: dict) -> str:
-    lines = ["| model | mesh | reference peak GB | smallest budget GB: alpa / +dots / +megatron"
-             " / kiwi | kiwi vs best baseline | largest speedup of kiwi over alpa / +dots /"
-             " +megatron | KIWI's smallest (GB) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | mesh | reference peak GB | smallest feasible budget GB: alpa / +dots / "
+             "+megatron / kiwi | kiwi / best baseline | largest speedup of kiwi over alpa / "
+             "+dots / +megatron | solves stopped at the limit | KIWI's smallest (GB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in result["studies"]:
         mins = {r["method"]: r["min_feasible_bytes"] for r in s["rows"]}
         base = min(v for k, v in mins.items() if k != "kiwi" and v)
         speed = _speedups(s["rows"])
+        plans = [r for r in s["rows"] if r["feasible"]]
+        stopped = sum(r["status"] != "optimal" for r in plans)
         lines.append(
             f"| {s['model']} | {s['mesh']} | {s['reference_peak_bytes'] / GB:.2f} | "
             + " / ".join(f"{mins[m] / GB:.2f}" if mins.get(m) else "-"
@@ -51,7 +54,7 @@ def mesh_table(result: dict) -> str:
             + f" | {mins['kiwi'] / base:.3f} | "
             + " / ".join(f"{speed.get(m, float('nan')):.3f}x"
                          for m in ("alpa", "alpa+dots", "alpa+megatron"))
-            + f" | {s.get('paper_kiwi_min_budget_gb') or ''} |")
+            + f" | {stopped} of {len(plans)} | {s.get('paper_kiwi_min_budget_gb') or ''} |")
     return "\n".join(lines)
 
 
@@ -89,15 +92,28 @@ def bandwidth_table(result: dict) -> str:
 
 
 def scaling_table(result: dict) -> str:
-    lines = ["| layers | operators (KIWI) | solver | budget | graph | variables | solve s |"
-             " status | step / reference |", "|---|---|---|---|---|---|---|---|---|"]
+    """One line per depth; each cell ``seconds status (step / reference)``, full / tied graph
+    (``*``: stopped at the time limit; ``none``: no plan in time)."""
+    marks = {"optimal": "", "feasible": "*", "timeout_with_incumbent": "*",
+             "timeout_no_incumbent": " none", "infeasible": " infeasible"}
+    lines = ["| layers | operators (KIWI) | kiwi variables full / tied | alpa 100% full / tied |"
+             " kiwi 100% full / tied | alpa 90% full / tied | kiwi 90% full / tied |",
+             "|---|---|---|---|---|---|---|"]
+    depths: dict = {}
     for r in result["rows"]:
-        paper = f" ({r['paper_operators']})" if r.get("paper_operators") else ""
-        lines.append(
-            f"| {r['layers']} | {r['operators']}{paper} | {r['solver']} | "
-            f"{r['budget_fraction']:.0%} | {'tied' if r['reuse_layers'] else 'full'} | "
-            f"{r.get('num_vars', '-')} | {r['solve_seconds']:.1f} | {r['status']} | "
-            + (f"{r['normalised_step']:.4f}" if r.get("normalised_step") else "-") + " |")
+        depths.setdefault(r["layers"], {})[(r["solver"], r["budget_fraction"],
+                                            r["reuse_layers"])] = r
+
+    def cell(r):
+        step = f" ({r['normalised_step']:.3f})" if r.get("normalised_step") else ""
+        return f"{r['solve_seconds']:.0f} s{marks.get(r['status'], ' ' + r['status'])}{step}"
+    for layers, runs in sorted(depths.items()):
+        full, tied = runs[("kiwi", 1.0, False)], runs[("kiwi", 1.0, True)]
+        cells = [cell(runs[(solver, f, False)]) + " / " + cell(runs[(solver, f, True)])
+                 for f in (1.0, 0.9) for solver in ("alpa", "kiwi")]
+        lines.append(f"| {layers} | {full['operators']} ({full.get('paper_operators') or '-'}) | "
+                     f"{full.get('num_vars', '-')} / {tied.get('num_vars', '-')} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
