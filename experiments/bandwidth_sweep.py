@@ -41,7 +41,7 @@ def _bandwidth(model, layers, mesh, config, slowdown, step, time_limit, base) ->
         print(f"{slowdown:>4}x {row['budget_fraction']:7.2%} {row['method']:14s} "
               + (f"{row['normalised_overhead']:.4f} recomputed {row['recomputed_nodes']:4d} "
                  f"({row['recomputed_bytes'] / 2**20:,.1f} MiB)" if row["feasible"]
-                 else "infeasible"), flush=True)
+                 else row["status"]), flush=True)
     return {"slowdown": slowdown, "cluster": cluster, "operators": problem.num_nodes,
             "reference_step_seconds": reference.objective,
             "reference_peak_bytes": int(reference.peak_bytes),

@@ -63,7 +63,7 @@ def _study(model, layers, mesh, config, step, time_limit, compiler=None) -> dict
                         on_plan=compiler and (lambda m, b, sol: compiler.compiled_memory(sol, b)))
     for row in rows:
         print(f"{model} {mesh} {row['budget_bytes'] / 2**20:9.2f} MiB {row['method']:14s} "
-              + (f"{row['normalised_overhead']:.4f}" if row["feasible"] else "infeasible")
+              + (f"{row['normalised_overhead']:.4f}" if row["feasible"] else row["status"])
               + (f"  compiled {row['compiled_peak_bytes'] / 2**20:.2f} MiB vs predicted "
                  f"{row['peak_bytes'] / 2**20:.2f}" if "compiled_peak_bytes" in row else ""),
               flush=True)
