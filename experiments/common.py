@@ -72,10 +72,9 @@ def problem_of(model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",
     from kiwi_jax.models import build
 
     ref = build(model, layers=layers, **config)
-    start = time.perf_counter()
-    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                mesh=mesh, cluster=cluster, merge=merge)
-    return built, time.perf_counter() - start
+    built, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                      mesh=mesh, cluster=cluster, merge=merge)
+    return built, sum(timings.values())
 
 
 def sweep_fractions(lowest: float, step: float = 0.05) -> list[float]:
@@ -211,15 +210,15 @@ class PlanCompiler:
                  **config):
         import jax
 
-        from kiwi_jax.apply import trace_for_planning
         from kiwi_jax.cluster import Cluster, MeshSpec
+        from kiwi_jax.frontend import trace
         from kiwi_jax.models import build
         from kiwi_jax.problem import build_problem
-        from kiwi_jax.step import carried_state, functionalize
+        from kiwi_jax.step import carried_state
 
         ref = build(model, layers=layers, **config)
-        self.pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
-        self.traced = trace_for_planning(self.pure)
+        self.traced = trace(ref.train_step, *ref.abstract_init(), ref.abstract_batch())
+        self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster))
         size = spec.shape[0] * spec.shape[1]
