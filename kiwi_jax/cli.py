@@ -4,6 +4,8 @@ Subcommands:
   problem   build the costed sharding problem of a reference model and print its size.
   plan      solve it under a per-device memory budget with one of the solvers and check the
             plan with the simulator.
+  pipeline  cut a deep model into pipeline stages (even, lynx, dawnpiper), plan each stage's
+            recomputation under the budget and simulate the 1F1B step.
   verify    plan, apply and compile the step on the mesh (8 simulated CPU devices by default),
             compare compiled memory and collectives with the plan and run it against the plain
             step.
@@ -88,8 +90,7 @@ def _cmd_plan(args) -> dict:
            **{k: round(v, 3) for k, v in timings.items()}}
     start = time.perf_counter()
     try:
-        solution = solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
-                                 seed=args.seed, threads=args.threads, **options)
+        solution = _solve_plan(problem, budget, args, options)
     except solvers.InfeasibleBudgetError as err:
         print(f"kiwi-jax plan: {err}", file=sys.stderr)
         out.update(status="infeasible", feasible=False,
@@ -101,7 +102,13 @@ def _cmd_plan(args) -> dict:
         out.update(status="error", feasible=False, error=str(err))
         return out
     wall = time.perf_counter() - start
-    sim = solvers.simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
+    lynx = solution.hidden_under is not None
+    sim = solvers.simulate(problem, solution.strategy, recompute_at=solution.recompute_at,
+                           overlap=lynx)
+    if lynx:
+        out.update(overlapped_recompute_seconds=sim.overlapped_recompute_seconds,
+                   on_demand_recompute_seconds=sim.recompute_seconds,
+                   hidden_recomputations=len(solution.hidden_under))
     out.update(
         status=solution.status.value, feasible=True, gap=solution.gap,
         solve_seconds=solution.solve_seconds, solve_wall_seconds=wall,
@@ -119,6 +126,64 @@ def _cmd_plan(args) -> dict:
           f"{sim.recompute_seconds * 1e3:.3f} ms, {len(solution.recomputed)} values "
           f"recomputed); peak {sim.peak_bytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB "
           "budget per device")
+    return out
+
+
+def _solve_plan(problem, budget, args, options):
+    """``solvers.solve``, or for ``lynx-heu`` / ``lynx-opt`` the overlap programs on the
+    reference plan's sharding (Lynx-OPT starts from Lynx-HEU's plan)."""
+    import solvers
+    from solvers import lynx
+
+    if not args.solver.startswith("lynx-"):
+        return solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
+                             seed=args.seed, threads=args.threads, **options)
+    if args.solver not in ("lynx-heu", "lynx-opt"):
+        raise ValueError(f"unknown solver {args.solver!r}; the Lynx solvers are lynx-heu and "
+                         "lynx-opt")
+    strategy = solvers.reference_plan(problem, backend=args.backend,
+                                      time_limit=args.time_limit).strategy
+    heu = lynx.lynx_heu(problem, budget, strategy, backend=args.backend)
+    if args.solver == "lynx-heu":
+        return heu
+    return lynx.lynx_opt(problem, budget, strategy, backend=args.backend,
+                         time_limit=args.time_limit, mip_gap=args.gap, warm_start=heu)
+
+
+def _cmd_pipeline(args) -> dict:
+    from kiwi_jax.cluster import parse_bytes
+    from kiwi_jax.pipeline import model_profile
+    from solvers.pipeline import partition
+
+    config = {f: getattr(args, f) for f in ("hidden", "heads", "seq", "vocab")
+              if getattr(args, f) is not None}
+    start = time.perf_counter()
+    profile = model_profile(args.model, layers=args.layers or 32, mesh=args.mesh,
+                            cluster=args.cluster, micro_batch=args.batch,
+                            time_limit=args.time_limit, **config)
+    profile_seconds = time.perf_counter() - start
+    budget = parse_bytes(args.budget)
+    result = partition(profile, args.stages, args.micro_batches, budget, method=args.method,
+                       policy=args.policy, backend=args.backend)
+    out = {"model": args.model, "layers": profile.layers, "mesh": args.mesh,
+           "cluster": args.cluster, "budget_bytes": budget, "stages": args.stages,
+           "micro_batch": profile.micro_batch, "profile_seconds": profile_seconds,
+           "feasible": result.fits, **result.summary()}
+    print(f"{args.model}, {profile.layers} layers, micro-batch {profile.micro_batch} x "
+          f"{args.micro_batches}, {args.stages} stages of mesh {args.mesh} ({args.cluster}); "
+          f"{args.method} partition, {args.policy} recomputation, searched in "
+          f"{result.search_seconds:.2f} s ({result.policies_solved} stage policies)")
+    for plan in result.stages:
+        state = f"{plan.step_seconds * 1e3:9.2f} ms" if plan.fits else "does not fit"
+        print(f"  stage {plan.index}: {plan.layers:3d} layers, {plan.in_flight} in flight, "
+              f"{state}, peak {plan.peak_bytes / 2**30:6.2f} GiB, recompute on demand "
+              f"{plan.on_demand_seconds * 1e3:.2f} ms / hidden {plan.overlapped_seconds * 1e3:.2f}"
+              " ms per micro-batch")
+    if result.fits:
+        print(f"1F1B step {result.step_seconds:.3f} s: {result.throughput:.3f} samples/s")
+    else:
+        print(f"a stage does not fit the {budget / 2**30:.2f} GiB budget: raise the budget, "
+              "add stages or micro-batches, or use the lynx policy", file=sys.stderr)
     return out
 
 
@@ -194,7 +259,8 @@ def main(argv=None) -> int:
     plan.add_argument("--budget", default="80%", help="per-device budget: bytes (6GiB) or a "
                       "percentage of the fastest no-limit alpa plan's peak (80%%)")
     plan.add_argument("--solver", default="kiwi", help="alpa, alpa+dots, alpa+megatron, "
-                      "alpa+full, kiwi, kiwi-full")
+                      "alpa+full, kiwi, kiwi-full, lynx-heu, lynx-opt (the Lynx solvers keep the "
+                      "reference plan's sharding)")
     plan.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
     plan.add_argument("--time-limit", type=float, default=120.0, help="solver seconds")
     plan.add_argument("--gap", type=float, default=1e-4, help="relative optimality gap")
@@ -203,6 +269,20 @@ def main(argv=None) -> int:
     plan.add_argument("--reuse-layers", action="store_true",
                       help="one decision per operator of identical layers (faster solves)")
     plan.set_defaults(run=_cmd_plan)
+    pipe = sub.add_parser("pipeline", help="partition a deep model into pipeline stages")
+    _model_args(pipe)
+    pipe.set_defaults(model="gpt", mesh="1x4", cluster="a100-nvlink")
+    pipe.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    pipe.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step "
+                      "(--batch is the micro-batch size)")
+    pipe.add_argument("--budget", default="40GiB", help="per-device budget in bytes (40GiB)")
+    pipe.add_argument("--method", default="lynx", help="even, lynx, dawnpiper")
+    pipe.add_argument("--policy", default="lynx", help="recomputation in every stage: lynx "
+                      "(Lynx-HEU), full, selective, none")
+    pipe.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
+    pipe.add_argument("--time-limit", type=float, default=60.0,
+                      help="seconds for the sharding plan of the profiled layer")
+    pipe.set_defaults(run=_cmd_pipeline)
     verify = sub.add_parser("verify", help="plan, apply, compile and check the step")
     _model_args(verify)
     verify.add_argument("--budget", default="60%", help="per-device budget, as for plan")

@@ -107,13 +107,15 @@ def _horizons(p: ShardingProblem, forward: np.ndarray) -> np.ndarray:
 
 
 def build_full(problem: ShardingProblem, budget_bytes: int | None,
-               minimize_peak: bool = False) -> FullModel:
+               minimize_peak: bool = False, recompute_stages=None) -> FullModel:
     """Build the staged program (see the module docstring).
 
     Args:
       problem: the sharding problem (small: the model has O(|forward| x |stages|) binaries).
       budget_bytes: per-device memory limit (None: no memory rows unless minimising the peak).
       minimize_peak: minimise the peak memory instead of the step time.
+      recompute_stages: bool per node, extra stages that may host recomputations besides those
+        that read forward values (Lynx-OPT: the stages of nodes with collectives).
     """
     start = time.perf_counter()
     p, b = problem, Builder(problem, None)
@@ -126,6 +128,8 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     for src, dst, _slot in p.edges:
         if forward[src] and not forward[dst]:
             reads_forward[dst] = True
+    if recompute_stages is not None:
+        reads_forward |= np.asarray(recompute_stages, bool) & ~forward
 
     a: dict[tuple[int, int], int] = {}
     pres: dict[tuple[int, int], int] = {}

@@ -16,9 +16,14 @@ Semantics:
 - Step time = sum over nodes of (number of executions) x (c_i + d_i + resharding on the node's
   incoming edges) (KIWI eq. 1 and 2).
 - Peak = max over t of the bytes alive at t (all values alive in a stage count together).
+- With ``overlap=True`` (Lynx), recomputations in the stage of a node with communication
+  (its own collectives or operand resharding) run beside that communication when they have
+  none of their own and neither the node nor a recomputation it waits for in that stage reads
+  them: their compute, up to the node's communication seconds, leaves the step time.
 
 References:
-  KIWI (Liu et al.), eq. 1-11; Checkmate (Jain et al., 2020), sec. 4 (stages, free after
+  KIWI (Liu et al.), eq. 1-11; Lynx (sec. 4.1, eq. 1 and C1-C2: overlapped recomputation);
+  Checkmate (Jain et al., 2020), sec. 4 (stages, free after
   last use).
 """
 
@@ -49,13 +54,17 @@ class SimResult:
     reshard_seconds: float
     """Resharding on edges, first execution."""
     recompute_seconds: float
-    """Everything recomputations cost (all three kinds)."""
+    """Everything recomputations cost on the critical path (all three kinds; with ``overlap``,
+    what hides under communication is not counted)."""
     peak_bytes: int
     """Per-device peak memory."""
     peak_time: int
     """Stage at which the peak occurs."""
     memory_timeline: np.ndarray
     """Bytes alive at every stage."""
+    overlapped_recompute_seconds: float = 0.0
+    """Recomputation hidden under communication (``overlap=True``); already taken off
+    ``step_seconds``."""
 
 
 def reduced_schedule(problem: ShardingProblem, keep) -> dict[int, tuple[int, ...]]:
@@ -67,7 +76,8 @@ def reduced_schedule(problem: ShardingProblem, keep) -> dict[int, tuple[int, ...
 
 
 def simulate(problem: ShardingProblem, strategy, keep=None,
-             recompute_at: dict[int, tuple[int, ...]] | None = None) -> SimResult:
+             recompute_at: dict[int, tuple[int, ...]] | None = None,
+             overlap: bool = False) -> SimResult:
     """Replay a plan.
 
     Args:
@@ -75,6 +85,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
       strategy: strategy index per node.
       keep: keep flag per node (KIWI's reduced plans), or None.
       recompute_at: per forward node, the stages where it is recomputed (overrides ``keep``).
+      overlap: credit recomputation hidden under communication (Lynx; see the module notes).
 
     Raises:
       ValueError: a recomputation of a node that is not a forward node, or outside the stages
@@ -126,6 +137,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         reshard[dst] += problem.resharding[e][strategy[src], strategy[dst]]
     per_node = compute + comm + reshard
     executions = np.array([len(c) for c in creations])
+    hidden = _hidden_seconds(recomputed_in, operands, compute, comm + reshard) if overlap else 0.0
     memory = np.array([problem.memory[i][s] for i, s in enumerate(strategy)], dtype=np.int64)
 
     delta = np.zeros(n + 2, dtype=np.int64)
@@ -139,9 +151,35 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
             delta[min(until, n) + 1] -= memory[i]
     timeline = np.cumsum(delta)[:n]
     return SimResult(
-        step_seconds=float(per_node @ executions),
+        step_seconds=float(per_node @ executions) - hidden,
         compute_seconds=float(compute.sum()), comm_seconds=float(comm.sum()),
         reshard_seconds=float(reshard.sum()),
-        recompute_seconds=float(per_node @ (executions - 1)),
+        recompute_seconds=float(per_node @ (executions - 1)) - hidden,
         peak_bytes=int(timeline.max()) if n else 0,
-        peak_time=int(np.argmax(timeline)) if n else 0, memory_timeline=timeline)
+        peak_time=int(np.argmax(timeline)) if n else 0, memory_timeline=timeline,
+        overlapped_recompute_seconds=hidden)
+
+
+def hidden_recomputations(t: int, recomputed: list[int], operands) -> set[int]:
+    """The recomputations of stage ``t`` that node t does not wait for: not read by it, nor by
+    a recomputation of the stage it waits for."""
+    here = set(recomputed)
+    waited = set()
+    stack = [j for j in operands[t] if j in here]
+    while stack:
+        j = stack.pop()
+        if j not in waited:
+            waited.add(j)
+            stack.extend(k for k in operands[j] if k in here)
+    return here - waited
+
+
+def _hidden_seconds(recomputed_in, operands, compute, comm) -> float:
+    """Seconds of recomputation that run beside a stage node's communication."""
+    hidden = 0.0
+    for t, nodes in recomputed_in.items():
+        if comm[t] <= 0:
+            continue
+        free = [j for j in hidden_recomputations(t, nodes, operands) if comm[j] <= 0]
+        hidden += min(float(comm[t]), float(compute[free].sum()))
+    return hidden

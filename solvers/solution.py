@@ -66,6 +66,13 @@ class Solution:
     claimed_peak_bytes: int | None = None
     """The peak the program itself claims (its largest U_k); None when it had no memory
     rows."""
+    hidden_under: dict[int, int] | None = None
+    """Lynx plans: per recomputation hidden under a collective, the node whose collective hides
+    it (its window); recomputations not listed run on demand."""
+    overlapped_recompute_seconds: float | None = None
+    """Lynx plans: recomputation hidden under collectives (simulated)."""
+    on_demand_recompute_seconds: float | None = None
+    """Lynx plans: recomputation on the critical path (simulated)."""
 
     @property
     def feasible(self) -> bool:
@@ -83,7 +90,11 @@ class Solution:
                 "num_vars": self.num_vars, "num_constraints": self.num_constraints,
                 "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
                 "claimed_peak_bytes": self.claimed_peak_bytes,
-                "recomputed_nodes": int(len(self.recomputed))}
+                "recomputed_nodes": int(len(self.recomputed)),
+                **({} if self.hidden_under is None else {
+                    "overlapped_recompute_seconds": self.overlapped_recompute_seconds,
+                    "on_demand_recompute_seconds": self.on_demand_recompute_seconds,
+                    "hidden_recomputations": len(self.hidden_under)})}
 
 
 class InfeasibleBudgetError(ValueError):

@@ -1,0 +1,152 @@
+"""Profile a reference model for pipeline planning from one representative layer.
+
+Like Lynx's profiler, only a short model is lowered: the same configuration with two layers, so
+that a layer sits between the embedding and another layer. Its sharding is the fastest plan with
+no memory limit on the stage's mesh (``solvers.reference_plan``); its costs come from the cost
+model. The full model is that layer repeated ``layers`` times between the embedding and the head.
+
+Attribution (all per device, under the plan):
+- forward and backward nodes by layer scope; outside layers, forward nodes that feed a layer
+  are the embedding's, the others the head's; backward nodes downstream of a layer's backward are
+  the embedding's, the others the head's;
+- inputs by layer scope (weights), optimizer state by its tree path (``...['mu'][path]`` belongs
+  to the weight at ``path``); the gradient accumulator of a pipeline adds one copy of the
+  weights; optimizer seconds are shared in proportion to the static bytes;
+- workspace: what the no-limit plan's peak holds beyond inputs and kept activations.
+
+References:
+  Lynx (sec. 6, Model Profiler: one representative layer); DawnPiper (sec. 4, appendix C.1).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+import solvers
+from kiwi_jax.cluster import Cluster
+from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.models import build
+from solvers.lynx import layer_ops, split_costs
+from solvers.pipeline import Block, ModelProfile
+from solvers.problem import PHASES
+
+__all__ = ["model_profile"]
+
+PARAM, FORWARD, BACKWARD, OPTIMIZER = (PHASES.index(p) for p in PHASES)
+_ARGS = re.compile(r"^args(\[\d+\])+")
+
+
+def _path(op_name: str) -> str:
+    return _ARGS.sub("", op_name).replace("\\", "")
+
+
+def _input_groups(problem, side_of_weight: dict[int, str]) -> dict[int, str]:
+    """Per input node, 'layer', 'embed' or 'head' (optimizer state follows its weight)."""
+    paths = {i: _path(problem.op_names[i]) for i in np.flatnonzero(problem.phase == PARAM)}
+    weights = {paths[i]: side for i, side in side_of_weight.items() if paths[i]}
+    out = {}
+    for i, path in paths.items():
+        if i in side_of_weight:
+            out[i] = side_of_weight[i]
+            continue
+        match = [side for wpath, side in weights.items() if path.endswith(wpath)]
+        out[i] = match[0] if match else "embed"
+    return out
+
+
+def _downstream(problem, seeds: np.ndarray, within: np.ndarray) -> np.ndarray:
+    """bool: nodes of ``within`` reachable from ``seeds`` along edges."""
+    reached = seeds.copy()
+    for src, dst, _slot in sorted(problem.edges.tolist(), key=lambda e: e[1]):
+        if reached[src] and within[dst]:
+            reached[dst] = True
+    return reached & within
+
+
+def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a100-nvlink",
+                  micro_batch: int | None = None, time_limit: float = 60.0,
+                  **config) -> ModelProfile:
+    """Profile ``model`` with ``layers`` layers for pipeline planning (see the module notes).
+
+    Args:
+      model: a reference model name with layer scopes (``gpt``, ``bert``).
+      layers: the full model's depth.
+      mesh: the mesh of one stage (tensor parallelism inside a stage).
+      cluster: hardware; stages talk over its inter-node link.
+      micro_batch: samples per micro-batch (the model's ``batch``).
+      config: other model settings (hidden, heads, seq, vocab).
+    """
+    if micro_batch is not None:
+        config["batch"] = micro_batch
+    ref = build(model, layers=2, **config)
+    built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                                mesh=mesh, cluster=cluster)
+    problem = built.problem
+    plan = solvers.reference_plan(problem, time_limit=time_limit)
+    strategy = plan.strategy
+    compute, comm = split_costs(problem, strategy)
+    cost = compute + comm
+    memory = np.array([problem.memory[i][s] for i, s in enumerate(strategy)], np.int64)
+    ops = layer_ops(problem, strategy, 0)
+    tagged = problem.layer >= 0
+    phase = problem.phase
+
+    untagged_fwd = (phase == FORWARD) & ~tagged
+    feeds_layer = np.zeros(problem.num_nodes, bool)
+    readers = problem.readers()
+    for i in reversed(range(problem.num_nodes)):
+        feeds_layer[i] = any(tagged[r] and phase[r] == FORWARD or feeds_layer[r]
+                             for r in readers[i])
+    embed_fwd = untagged_fwd & feeds_layer
+    head_fwd = untagged_fwd & ~feeds_layer
+    untagged_bwd = (phase == BACKWARD) & ~tagged
+    embed_bwd = _downstream(problem, tagged & (phase == BACKWARD), untagged_bwd)
+    head_bwd = untagged_bwd & ~embed_bwd
+
+    side_of_weight = {}
+    for i in np.flatnonzero(phase == PARAM):
+        users = readers[i]
+        if problem.layer[i] == 0:
+            side_of_weight[int(i)] = "layer"
+        elif problem.layer[i] < 0 and users and any(embed_fwd[u] for u in users):
+            side_of_weight[int(i)] = "embed"
+        elif problem.layer[i] < 0 and users and any(head_fwd[u] for u in users):
+            side_of_weight[int(i)] = "head"
+    groups = _input_groups(problem, side_of_weight)
+    static = {"layer": 0, "embed": 0, "head": 0}
+    for i, side in groups.items():
+        if problem.layer[i] >= 1:
+            continue                          # layer 1 repeats layer 0
+        grad = memory[i] if i in side_of_weight else 0
+        static[side] += int(memory[i] + grad)
+    optimizer = float(cost[phase == OPTIMIZER].sum())
+    total_static = static["layer"] * 2 + static["embed"] + static["head"]
+
+    def held(mask) -> int:
+        return int(memory[mask & problem.z.astype(bool)].sum())
+
+    def block(fwd, bwd, static_bytes, held_bytes) -> Block:
+        return Block(forward_seconds=float(cost[fwd].sum()),
+                     backward_seconds=float(cost[bwd].sum()),
+                     optimizer_seconds=optimizer * static_bytes / max(total_static, 1),
+                     static_bytes=int(static_bytes), held_bytes=int(held_bytes))
+
+    layer_held = ops.kept_bytes(ops.needed | ops.pinned)
+    layer = Block(ops.forward_seconds, ops.backward_seconds,
+                  optimizer * static["layer"] / max(total_static, 1), static["layer"],
+                  layer_held)
+    embed = block(embed_fwd, embed_bwd, static["embed"], held(embed_fwd))
+    head = block(head_fwd, head_bwd, static["head"], held(head_fwd))
+    inputs = int(memory[phase == PARAM].sum())
+    workspace = max(0, plan.peak_bytes - inputs - 2 * layer_held - embed.held_bytes
+                    - head.held_bytes)
+    boundary = int(sum(memory[i] for i in ops.nodes
+                       if any(problem.layer[r] == 1 for r in readers[i])))
+    hardware = Cluster.parse(cluster)
+    link, slow = hardware.inter_node, hardware.comm_slowdown
+    return ModelProfile(layer_ops=ops, layer=layer, embed=embed, head=head, layers=layers,
+                        workspace_bytes=workspace, boundary_bytes=boundary,
+                        link_latency=link.latency_s * slow, link_bandwidth=link.bandwidth / slow,
+                        micro_batch=ref.config.batch)
