@@ -120,3 +120,40 @@ def random_problem(seed: int, layers: int = 2, width: int = 2,
     resharding = [rng.uniform(0.0, 2.0, (k[s], k[d])) * (rng.random() < 0.7) for s, d in edges]
     return make_problem(phases, edges, compute, memory, comm=comm, resharding=resharding,
                         outputs=(loss, *updates))
+
+
+def layered_problem(layers: int = 2, window_comm: float = 1.5) -> ShardingProblem:
+    """``layers`` identical layers x -> a -> b -> c (c feeds the next layer), a loss, and the
+    mirrored backward: per layer gc (reads c), gb (reads b, issues a collective of
+    ``window_comm`` seconds), ga (reads a). One strategy per node; a costs 1 s, b 2 s.
+
+    Nodes of layer l: forward a, b, c then (after the loss) backward gc, gb, ga.
+    """
+    phases, edges, compute, memory, comm, layer = [], [], [], [], [], []
+
+    def node(phase, inputs, seconds, nbytes, lay, collective=0.0):
+        phases.append(phase)
+        compute.append([seconds])
+        memory.append([nbytes])
+        comm.append([collective])
+        layer.append(lay)
+        edges.extend((j, len(phases) - 1) for j in inputs)
+        return len(phases) - 1
+
+    h = node(PARAM, [], 0.0, 10, -1)
+    acts = []
+    for lay in range(layers):
+        a = node(FORWARD, [h], 1.0, 100, lay)
+        b = node(FORWARD, [a], 2.0, 100, lay)
+        h = node(FORWARD, [b], 0.5, 10, lay)
+        acts.append((a, b, h))
+    loss = node(FORWARD, [h], 0.5, 1, -1)
+    g = node(BACKWARD, [loss], 0.5, 10, -1)
+    for lay in reversed(range(layers)):
+        a, b, c = acts[lay]
+        g = node(BACKWARD, [g, c], 0.5, 10, lay)
+        g = node(BACKWARD, [g, b], 1.0, 10, lay, collective=window_comm)
+        g = node(BACKWARD, [g, a], 1.0, 10, lay)
+    node(OPTIMIZER, [g, 0], 0.5, 10, -1)
+    return make_problem(phases, edges, compute, memory, comm=comm, layer=layer,
+                        outputs=(loss, len(phases) - 1))

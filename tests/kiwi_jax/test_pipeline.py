@@ -1,0 +1,57 @@
+"""Profiling a reference model for pipeline planning, and the ``pipeline`` and Lynx ``plan``
+commands."""
+
+import json
+
+import pytest
+
+from kiwi_jax.cli import main
+from kiwi_jax.pipeline import model_profile
+
+TINY = {"hidden": 32, "heads": 2, "seq": 16, "vocab": 64}
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return model_profile("gpt", layers=6, mesh="1x2", cluster="a100-nvlink", micro_batch=4,
+                         **TINY)
+
+
+def test_a_layer_holds_its_weights_adam_state_and_gradient_accumulator(profile):
+    # GPT layer: 4 h^2 + 4 h (attention) + 8 h^2 + 5 h (MLP) + 4 h (two layer norms) floats;
+    # Adam keeps two moments, the pipeline one gradient accumulator: 4 copies when the plan
+    # replicates them, fewer bytes per device when it shards some.
+    h = TINY["hidden"]
+    weights = (12 * h * h + 13 * h) * 4
+    assert weights * 4 / 2 <= profile.layer.static_bytes <= weights * 4
+    assert profile.layers == 6 and profile.micro_batch == 4
+    assert profile.layer.forward_seconds > 0 and profile.layer.backward_seconds > 0
+    assert profile.head.static_bytes > 0 and profile.embed.static_bytes > 0
+    assert profile.layer_ops.needed.any() and profile.boundary_bytes > 0
+
+
+def test_cli_pipeline_json(capsys):
+    args = ["pipeline", "--model", "gpt", "--layers", "6", "--hidden", "32", "--heads", "2",
+            "--seq", "16", "--vocab", "64", "--batch", "4", "--micro-batches", "4",
+            "--stages", "3", "--mesh", "1x2", "--budget", "1GiB", "--method", "dawnpiper",
+            "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("stage_layers", "stage_step_seconds", "stage_peak_bytes",
+                "simulated_throughput", "search_seconds"):
+        assert key in result
+    assert sum(result["stage_layers"]) == 6 and len(result["stage_layers"]) == 3
+    assert result["fits"] and result["simulated_throughput"] > 0
+
+
+def test_cli_plan_lynx_heu_reports_overlapped_and_on_demand_recomputation(capsys):
+    args = ["plan", "--model", "gpt", "--layers", "3", "--hidden", "32", "--heads", "2",
+            "--seq", "16", "--batch", "16", "--vocab", "64", "--mesh", "1x2",
+            "--cluster", "a100-pcie", "--budget", "95%", "--solver", "lynx-heu", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["solver"] == "lynx-heu" and result["feasible"]
+    assert result["simulated_peak_bytes"] <= result["budget_bytes"]
+    assert result["overlapped_recompute_seconds"] >= 0
+    assert result["on_demand_recompute_seconds"] >= 0
+    assert result["simulated_step_seconds"] == pytest.approx(result["predicted_step_seconds"])
