@@ -332,3 +332,75 @@ def device_memory(compiled: Any) -> MemoryStats:
         raise CompiledAnalysisError("expected compiled.memory_analysis() to return statistics, found None")
     return MemoryStats(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
                        int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a tagged instruction sits in the entry computation's schedule."""
+
+    index: int
+    """Position in the scheduled entry computation."""
+    name: str
+    """The instruction (a fusion when the tagged operation was fused)."""
+    collective: str | None
+    """The next collective at or after it carrying the anchor tag (None: none)."""
+    collective_index: int | None
+    """Its position."""
+    between: int
+    """Collectives scheduled strictly between the two (0: nothing else is communicated
+    between the recomputation and its collective)."""
+
+
+def _entry_schedule(hlo_text: str) -> tuple[list[tuple[str, str, list[str]]], dict]:
+    """``[(name, opcode, op_names incl. fused ones)]`` of the entry computation, in order."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and " = " not in line and not line.startswith(" "):
+            header = line.split()
+            is_entry = header[0] == "ENTRY"
+            current = header[1 if is_entry else 0].lstrip("%")
+            entry = current if is_entry else entry
+            bodies[current] = []
+        elif current is not None and _INSTR_RE.match(line):
+            bodies[current].append(line)
+    if entry is None:
+        raise HloParseError("no ENTRY computation in the module text")
+    schedule = []
+    for line in bodies[entry]:
+        m = _INSTR_RE.match(line)
+        rest = m["rest"]
+        shape_end = _matching(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
+        op = _OPCODE_RE.match(rest, max(shape_end, 0))
+        names = _OP_NAME_RE.findall(rest)
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        if called and called[1] in bodies:
+            names += [n for inner in bodies[called[1]] for n in _OP_NAME_RE.findall(inner)]
+        schedule.append((m["name"], op["opcode"] if op else "", names))
+    return schedule, bodies
+
+
+def placements(hlo_text: str, scope: str, anchor_tags: Iterable[str]) -> list[Placement]:
+    """For each scheduled instruction whose op_name (or a fused one's) contains ``scope``: the
+    next collective whose op_name carries one of ``anchor_tags`` (e.g. ``/k715/``), and how
+    many collectives lie between.
+
+    Args:
+      hlo_text: the compiled, scheduled module (``compiled.as_text()``).
+      scope: the name scope of the instructions to place (``lynx_overlap``).
+      anchor_tags: substrings identifying the anchors' collectives.
+    """
+    schedule, _ = _entry_schedule(hlo_text)
+    tags = tuple(anchor_tags)
+    is_collective = [op.removesuffix("-start") in KINDS for _, op, _ in schedule]
+    anchored = [c and any(t in n for t in tags for n in names)
+                for c, (_, _, names) in zip(is_collective, schedule)]
+    out = []
+    for k, (name, _op, names) in enumerate(schedule):
+        if not any(scope in n for n in names):
+            continue
+        after = [j for j in range(k, len(schedule)) if anchored[j]]
+        j = after[0] if after else None
+        between = sum(is_collective[k + 1:j]) if j is not None else 0
+        out.append(Placement(k, name, None if j is None else schedule[j][0], j, between))
+    return out

@@ -116,7 +116,8 @@ def fingerprint(hlo_text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh):
+def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
+                     beside: dict[int, int] | None = None):
     """The step with the plan applied, and its input/output shardings.
 
     Args:
@@ -124,6 +125,8 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
       specs: per graph node, the output spec the plan gives it.
       recompute_nodes: ids of forward nodes the plan recomputes.
       mesh: the jax mesh (its two axis names are the plan's mesh axes).
+      beside: ``{recomputed node: node issuing a collective}`` (Lynx): recompute those values
+        beside that collective instead of before their first backward reader.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -146,7 +149,13 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
             return value
         return jax.lax.with_sharding_constraint(value, target)
 
-    interpreter = Interpreter(traced.closed, constrain=constrain, recompute=frozenset(recompute))
+    paths = traced.node_paths()
+    top = {node: paths[node][0] for node in (beside or {}) if node in paths}
+    anchors = {top[node]: paths[anchor][0] for node, anchor in (beside or {}).items()
+               if node in top and top[node] in recompute and anchor in paths
+               and "_" not in paths[anchor][0]}
+    interpreter = Interpreter(traced.closed, constrain=constrain, recompute=frozenset(recompute),
+                              beside=anchors)
 
     def fn(*args):
         return jax.tree.unflatten(traced.out_tree, interpreter(*jax.tree.leaves(args)))

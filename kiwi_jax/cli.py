@@ -130,24 +130,15 @@ def _cmd_plan(args) -> dict:
 
 
 def _solve_plan(problem, budget, args, options):
-    """``solvers.solve``, or for ``lynx-heu`` / ``lynx-opt`` the overlap programs on the
-    reference plan's sharding (Lynx-OPT starts from Lynx-HEU's plan)."""
+    """``solvers.solve``, or the Lynx solvers on the reference plan's sharding."""
     import solvers
-    from solvers import lynx
+    from kiwi_jax.plan import LYNX_SOLVERS, solve_lynx
 
-    if not args.solver.startswith("lynx-"):
-        return solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
-                             seed=args.seed, threads=args.threads, **options)
-    if args.solver not in ("lynx-heu", "lynx-opt"):
-        raise ValueError(f"unknown solver {args.solver!r}; the Lynx solvers are lynx-heu and "
-                         "lynx-opt")
-    strategy = solvers.reference_plan(problem, backend=args.backend,
-                                      time_limit=args.time_limit).strategy
-    heu = lynx.lynx_heu(problem, budget, strategy, backend=args.backend)
-    if args.solver == "lynx-heu":
-        return heu
-    return lynx.lynx_opt(problem, budget, strategy, backend=args.backend,
-                         time_limit=args.time_limit, mip_gap=args.gap, warm_start=heu)
+    if args.solver in LYNX_SOLVERS:
+        return solve_lynx(problem, budget, args.solver, backend=args.backend,
+                          time_limit=args.time_limit, mip_gap=args.gap)
+    return solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap, seed=args.seed,
+                         threads=args.threads, **options)
 
 
 def _cmd_pipeline(args) -> dict:

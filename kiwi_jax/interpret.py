@@ -12,11 +12,17 @@ A plan enters through two callbacks: ``constrain(path, index, value)`` after eve
 sharding constraint of a planned value) and ``recompute`` (the paths of top-level forward
 equations whose outputs are dropped after the forward pass and recomputed right before their
 first backward reader, behind an optimization barrier tied to that reader's other inputs, as
-``jax.checkpoint`` does internally).
+``jax.checkpoint`` does internally). With ``beside`` (Lynx), a dropped value is recomputed
+instead when the interpreter reaches a given backward equation (one that issues a collective),
+behind a barrier tied to that equation's inputs: the recomputation becomes ready together with
+the collective's operand and depends on nothing the collective produces, so the scheduler can
+run it while the collective is in flight. Those recomputations run under the name scope
+``lynx_overlap`` so that they can be found in the compiled HLO.
 
 References:
   KIWI (Liu et al.), sec. 3.2: a recomputed operator runs again just before its first backward
-  user (X sets), from kept inputs (eq. 9).
+  user (X sets), from kept inputs (eq. 9); Lynx (sec. 4): recomputation overlapped with
+  communication.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import jax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 
-__all__ = ["Interpreter", "tag_of", "trace_flat"]
+__all__ = ["Interpreter", "tag_of", "trace_flat", "OVERLAP_SCOPE"]
+
+OVERLAP_SCOPE = "lynx_overlap"
 
 _TAG = re.compile(r"(?:^|[/(])k(\d+(?:_\d+)*)(?=[/)]|$)")
 _INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -49,6 +57,10 @@ def trace_flat(fn, *args):
     return jax.make_jaxpr(fn)(*args)
 
 
+def _order(path: str) -> int:
+    return int(path.split("_")[0])
+
+
 def is_backward(name_stack: str) -> bool:
     """Backward equations carry ``transpose(`` in their name stack."""
     return "transpose(" in name_stack
@@ -63,11 +75,14 @@ class Interpreter:
       constrain: ``constrain(path, output_index, value) -> value`` or None.
       recompute: paths of top-level forward equations to drop and recompute; non-backward
         readers (the optimizer) keep reading the original values.
+      beside: ``{dropped path: anchor path}``: recompute these when the top-level backward
+        equation at the anchor path is reached, tied to its inputs (see the module notes).
     """
 
     closed: object
     constrain: Callable | None = None
     recompute: frozenset = frozenset()
+    beside: dict = dataclasses.field(default_factory=dict)
 
     def __call__(self, *args_flat) -> list:
         return self._eval(self.closed.jaxpr, self.closed.consts, list(args_flat), "", top=True)
@@ -104,6 +119,14 @@ class Interpreter:
         def read(v):
             return v.val if isinstance(v, jax_core.Literal) else env[v]
 
+        def current(v):
+            """A value as the backward pass sees it: recomputed when it was."""
+            return recomputed[v] if not isinstance(v, jax_core.Literal) and v in recomputed \
+                else read(v)
+
+        anchored: dict[str, list[str]] = {}
+        for dropped, anchor in (self.beside.items() if top else ()):
+            anchored.setdefault(anchor, []).append(dropped)
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for index, eqn in enumerate(jaxpr.eqns):
@@ -111,7 +134,9 @@ class Interpreter:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [read(v) for v in eqn.invars]
             if top and is_backward(str(eqn.source_info.name_stack)):
-                invals = self._substitute(eqn, invals, producer, recomputed, read)
+                invals = self._substitute(eqn, invals, producer, recomputed, current)
+                for dropped in sorted(anchored.get(path, ()), key=_order):
+                    self._recompute(dropped, producer, recomputed, current, invals)
             outvals = self._bind(eqn, invals, path, name_stack)
             for var, val in zip(eqn.outvars, outvals):
                 if not isinstance(var, jax_core.DropVar):
@@ -119,6 +144,19 @@ class Interpreter:
                     if top and path in self.recompute:
                         producer[var] = (eqn, path, name_stack)
         return [read(v) for v in jaxpr.outvars]
+
+    def _recompute(self, dropped: str, producer, recomputed, current, anchor_invals) -> None:
+        """Recompute the equation at ``dropped`` now, tied to ``anchor_invals``."""
+        found = [(var, entry) for var, entry in producer.items() if entry[1] == dropped]
+        if not found or found[0][0] in recomputed:
+            return
+        src_eqn, path, name_stack = found[0][1]
+        inputs = [current(v) for v in src_eqn.invars]
+        tie = [v for v in anchor_invals if hasattr(v, "shape")]
+        inputs, _ = jax.lax.optimization_barrier((inputs, tie))
+        outs = self._bind(src_eqn, inputs, path, name_stack.extend(OVERLAP_SCOPE))
+        for out_var, out in zip(src_eqn.outvars, outs):
+            recomputed[out_var] = out
 
     def _substitute(self, eqn, invals, producer, recomputed, read):
         """Replace reads of dropped forward values by their recomputation."""

@@ -75,7 +75,9 @@ class Options:
     cluster: object = "v100-nvlink"
     """Cluster preset name (``v100-nvlink``, ``a100-nvlink``, ``h100``, ...) or a Cluster."""
     solver: str = "kiwi"
-    """``kiwi`` (default), ``alpa``, ``alpa+dots``, ``alpa+megatron``, ``alpa+full``."""
+    """``kiwi`` (default), ``alpa``, ``alpa+dots``, ``alpa+megatron``, ``alpa+full``, or the
+    Lynx solvers ``lynx-heu`` / ``lynx-opt`` (the reference plan's sharding, recomputation
+    hidden under its collectives)."""
     backend: str = "highs"
     """``highs`` (embedded), ``cpsat`` or ``gurobi``."""
     time_limit: float = 60.0
@@ -89,6 +91,9 @@ class Options:
     False: no cache."""
     donate: bool = True
     """Donate the train state (first argument) to the step."""
+    overlap: bool = True
+    """Lynx plans (``solver="lynx-heu"`` or ``"lynx-opt"``): recompute what the plan hides
+    under a collective beside that collective (False: before the first backward reader)."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -118,7 +123,7 @@ class Prepared:
 
 def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", solver="kiwi",
              backend="highs", time_limit=60.0, mip_gap=1e-3, reuse_layers=True, cache_dir=None,
-             donate=True):
+             donate=True, overlap=True):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`. Usable as ``@optimize(mesh=..., memory_budget=...)`` or
@@ -133,7 +138,7 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", sol
     MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
     Cluster.parse(cluster)
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate)
+                      reuse_layers, cache_dir, donate, overlap)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -217,7 +222,7 @@ class OptimizedStep:
         """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan;
         ``state_out``: position of the updated state among the outputs (see carried_state)."""
         return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
-                            self.options.donate)
+                            self.options.donate, self.options.overlap)
 
     def _fit(self, traced, build, plan: Plan, applied, abstract, state_out) -> tuple[Plan, tuple]:
         """The compiler is the judge: while the compiled step is over the budget, solve again
@@ -313,18 +318,21 @@ class OptimizedStep:
 
 
 def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
-                 state_out: int | None = None, donate: bool = True) -> tuple:
+                 state_out: int | None = None, donate: bool = True,
+                 overlap: bool = True) -> tuple:
     """Apply ``plan`` to the traced step and compile it for ``abstract``'s argument shapes.
 
     Args:
       state_out: position of the updated state among the outputs (see carried_state): it gets
         the input state's layout and, with ``donate``, reuses its buffers.
+      overlap: place the recomputations a Lynx plan hides under collectives beside them.
 
     Returns:
       ``(in_shardings, out_shardings, state_out, jitted, compiled)``.
     """
     fn, in_shardings, out_shardings = applied_function(
-        traced, list(plan.specs), plan.recomputed, mesh)
+        traced, list(plan.specs), plan.recomputed, mesh,
+        beside=plan.hidden_under if overlap else None)
     donate_argnums = ()
     if state_out is not None:
         out_list = list(out_shardings)

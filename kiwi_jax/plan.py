@@ -20,12 +20,17 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.problem import ProblemBuild, build_problem
 from kiwi_jax.sharding import Comm, reshard_comms, spec_str
 import solvers
+from solvers import lynx
 from solvers.simulator import simulate
 
-__all__ = ["Plan", "make_plan", "solve_plan", "plan_from_solution", "resolve_budget",
-           "predicted_comms", "attributed_comms", "by_kind"]
+__all__ = ["Plan", "make_plan", "solve_plan", "solve_lynx", "plan_from_solution",
+           "resolve_budget", "predicted_comms", "attributed_comms", "by_kind", "LYNX_SOLVERS"]
 
 log = logging.getLogger(__name__)
+
+LYNX_SOLVERS = ("lynx-heu", "lynx-opt")
+"""Solvers that keep the reference plan's sharding and hide recomputation under its
+collectives (:mod:`solvers.lynx`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,9 @@ class Plan:
     solver_budget_bytes: int | None = None
     """Budget the solver was given when it differs from ``budget_bytes``: tightened after the
     compiled step of a first plan came out over the budget (see ``kiwi_jax.optimize``)."""
+    hidden_under: dict[int, int] | None = None
+    """Lynx plans: per recomputed node hidden under a collective, the node issuing it (the
+    recomputation is placed beside that node when the step is applied with overlap)."""
 
     def summary(self) -> dict:
         return {
@@ -83,6 +91,8 @@ class Plan:
         data.update(objective=self.objective, strategy=self.strategy.tolist(),
                     keep=self.keep.tolist(),
                     node_names=list(self.node_names),
+                    hidden_under=None if self.hidden_under is None
+                    else {str(k): v for k, v in self.hidden_under.items()},
                     specs=[[list(axes) for axes in spec] for spec in self.specs])
         return json.dumps(data)
 
@@ -97,6 +107,8 @@ class Plan:
             recomputed=tuple(int(i) for i in np.flatnonzero(~keep)),
             specs=tuple(tuple(tuple(a) for a in spec) for spec in data["specs"]),
             node_names=tuple(data["node_names"]),
+            hidden_under=None if data.get("hidden_under") is None
+            else {int(k): int(v) for k, v in data["hidden_under"].items()},
             predicted_step_seconds=data["predicted_step_seconds"],
             predicted_peak_bytes=data["predicted_peak_bytes"],
             solve_seconds=data["solve_seconds"], objective=data.get("objective", 0.0),
@@ -162,15 +174,35 @@ def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **optio
     problem = build.problem
     budget = resolve_budget(memory_budget, problem, **options)
     start = time.perf_counter()
-    solution = solvers.solve(problem, budget, solver=solver, **options)
+    if solver in LYNX_SOLVERS:
+        solution = solve_lynx(problem, budget, solver, **options)
+    else:
+        solution = solvers.solve(problem, budget, solver=solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
     return plan_from_solution(build, solution, budget)
 
 
+def solve_lynx(problem, budget: int, solver: str = "lynx-heu", backend: str = "highs",
+               time_limit: float = 60.0, mip_gap: float = 1e-4, **_ignored
+               ) -> solvers.Solution:
+    """Lynx-HEU, or Lynx-OPT started from it, on the sharding of the reference plan (the
+    fastest ``alpa`` plan with no memory limit)."""
+    if solver not in LYNX_SOLVERS:
+        raise ValueError(f"unknown Lynx solver {solver!r}; expected one of {LYNX_SOLVERS}")
+    strategy = solvers.reference_plan(problem, backend=backend, time_limit=time_limit).strategy
+    heu = lynx.lynx_heu(problem, budget, strategy, backend=backend)
+    if solver == "lynx-heu":
+        return heu
+    return lynx.lynx_opt(problem, budget, strategy, backend=backend, time_limit=time_limit,
+                         mip_gap=mip_gap, warm_start=heu)
+
+
 def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: int) -> Plan:
-    """The plan of a solver's answer, simulated on the problem."""
+    """The plan of a solver's answer, simulated on the problem (Lynx plans with the overlap
+    credit)."""
     problem = build.problem
-    sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at)
+    sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at,
+                   overlap=solution.hidden_under is not None)
     return Plan(
         solver=solution.solver, status=str(solution.status.name.lower()),
         mesh_shape=build.mesh.shape,
@@ -180,7 +212,8 @@ def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: 
         specs=tuple(build.strategies[i][int(s)].out for i, s in enumerate(solution.strategy)),
         node_names=problem.names, predicted_step_seconds=float(sim.step_seconds),
         predicted_peak_bytes=int(sim.peak_bytes), solve_seconds=float(solution.solve_seconds),
-        objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds())
+        objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds(),
+        hidden_under=solution.hidden_under)
 
 
 def describe_node(build: ProblemBuild, plan: Plan, node_id: int) -> str:

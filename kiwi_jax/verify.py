@@ -23,7 +23,7 @@ from kiwi_jax.optimize import compiler_options
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 
-__all__ = ["VerifyReport", "verify_prepared", "TOLERANCE"]
+__all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "TOLERANCE"]
 
 UNCOMBINED = ("all-reduce-combiner", "all-gather-combiner", "reduce-scatter-combiner")
 """XLA passes that merge collectives; disabled only to attribute collectives to operators."""
@@ -246,3 +246,21 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
         disagreements=_operator_disagreements(prepared, attributed, carried,
                                               collectives(separate.as_text(), ids)),
         **numerics)
+
+
+def overlap_placements(prepared) -> list:
+    """Where the compiled, scheduled step runs the recomputations a Lynx plan hides under
+    collectives: per recomputation (found by its ``lynx_overlap`` name scope, fused or not),
+    the next collective issued for one of the plan's anchors and the collectives in between.
+    Empty for plans without hidden recomputation or applied without overlap.
+
+    Returns:
+      A list of :class:`hlo_tools.compiled.Placement`.
+    """
+    from hlo_tools.compiled import placements
+    from kiwi_jax.interpret import OVERLAP_SCOPE
+
+    hidden = prepared.plan.hidden_under or {}
+    paths = prepared.traced.node_paths()
+    tags = {f"/k{paths[a][0]}/" for a in hidden.values() if a in paths}
+    return placements(prepared.compiled.as_text(), OVERLAP_SCOPE, tags)

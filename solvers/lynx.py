@@ -467,7 +467,7 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     held_all = len(layers) * ops.kept_bytes(ops.needed | ops.pinned)
     rest = keep_all.peak_bytes - held_all
     budget = None if budget_bytes is None else budget_bytes - rest
-    policy = sim = None
+    best = None
     solves = 0.0
     for _round in range(8):
         policy = heu_policy(ops, budget, layers=len(layers), backend=backend,
@@ -478,16 +478,22 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
         schedule = _schedule(problem, ops, policy, counterparts)
         sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
         if budget_bytes is None or sim.peak_bytes <= budget_bytes:
+            best = policy, schedule, sim
             break
         budget -= sim.peak_bytes - budget_bytes
         log.info("lynx-heu: step peaks %d bytes over the budget; solving again",
                  sim.peak_bytes - budget_bytes)
-    else:
-        policy = None
-    if policy is None:
-        smallest = _smallest_peak(problem, strategy, ops, counterparts, len(layers),
-                                  held_all, backend, time_limit)
-        raise InfeasibleBudgetError("lynx-heu", int(budget_bytes), smallest)
+    if best is None:     # the peak is not monotone in the held bytes: sweep the layer budget
+        sweep = _sweep(problem, strategy, ops, counterparts, len(layers), held_all, backend,
+                       time_limit)
+        solves += sum(p.solve_seconds for p, _, _ in sweep)
+        fitting = [c for c in sweep if c[2].peak_bytes <= budget_bytes]
+        if not fitting:
+            smallest = min([simulate(problem, strategy).peak_bytes]
+                           + [sim.peak_bytes for _, _, sim in sweep])
+            raise InfeasibleBudgetError("lynx-heu", int(budget_bytes), int(smallest))
+        best = min(fitting, key=lambda c: c[2].step_seconds)
+    policy, schedule, sim = best
     keep = np.ones(problem.num_nodes, bool)
     keep[list(schedule)] = False
     return Solution(
@@ -501,22 +507,23 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
         on_demand_recompute_seconds=sim.recompute_seconds)
 
 
-def _smallest_peak(problem, strategy, ops, counterparts, layers, held_all, backend,
-                   time_limit, points: int = 8) -> int:
-    """The lowest simulated peak among HEU policies for activation budgets from the least the
-    layer can hold to all of it (the step's peak is not monotone in the held bytes: values
-    recomputed together in the backward pass can peak above the ones they replace)."""
-    peaks = [simulate(problem, strategy).peak_bytes]
+def _sweep(problem, strategy, ops, counterparts, layers, held_all, backend, time_limit,
+           points: int = 8) -> list[tuple[LayerPolicy, dict, object]]:
+    """HEU policies for activation budgets from the least the layer can hold to all of it,
+    with their schedules and simulations (the step's peak is not monotone in the held bytes:
+    values recomputed together in the backward pass can peak above the ones they replace)."""
     least = heu_policy(ops, None, layers=layers, backend=backend, time_limit=time_limit,
                        minimize_memory=True)
     if least is None:
-        return peaks[0]
+        return []
+    out = []
     for budget in np.linspace(layers * least.held_bytes, held_all, points):
         policy = heu_policy(ops, budget, layers=layers, backend=backend, time_limit=time_limit)
         if policy is not None:
             schedule = _schedule(problem, ops, policy, counterparts)
-            peaks.append(simulate(problem, strategy, recompute_at=schedule).peak_bytes)
-    return int(min(peaks))
+            out.append((policy, schedule,
+                        simulate(problem, strategy, recompute_at=schedule, overlap=True)))
+    return out
 
 
 def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,

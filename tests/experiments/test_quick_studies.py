@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from experiments import bandwidth_sweep, mesh_sweep, optimality, report, solver_scaling
+from experiments import (bandwidth_sweep, lynx_pipeline, mesh_sweep, optimality, report,
+                         solver_scaling)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -105,3 +106,23 @@ def test_optimality_quick(results, capsys):
     table = report.optimality_table(result)
     assert table.count("infeasible") + table.count("timeout_no_incumbent") == \
         sum((r["kiwi_latency"] is None) + (r["kiwi_full_latency"] is None) for r in rows)
+
+
+def test_lynx_pipeline_quick(results, capsys):
+    returned = lynx_pipeline.main(["--quick", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["study"] == "lynx_pipeline" and len(printed["throughput"]) == \
+        len(returned["throughput"])
+    assert (results / "lynx_pipeline.png").stat().st_size > 10_000
+    assert {r["layers"] for r in printed["heu_time"]} == {1, 4, 16}
+    assert {r["method"] for r in printed["search_time"]} == {"even", "lynx", "dawnpiper"}
+    rows = {(r["method"], r["policy"]): r for r in printed["throughput"]}
+    for row in rows.values():
+        assert sum(row["stage_layers"]) == 8
+        if row["fits"]:
+            assert max(row["stage_peak_bytes"]) <= 8 * 2**20
+    # the Lynx partitioning starts from the even split and only takes moves that help
+    assert rows["lynx", "lynx"]["simulated_throughput"] >= \
+        rows["even", "lynx"]["simulated_throughput"] - TOL
+    opt = printed["heu_vs_opt"][0]
+    assert opt["feasible"] and opt["opt_step_seconds"] <= opt["heu_step_seconds"] * (1 + TOL)
