@@ -8,7 +8,8 @@ Parts (each row is in the JSON):
 2. ``search_time``: partition + policy search of a 96-layer GPT (GPT-175B shape, fp32) over
    32 stages of a 1x8 H100 mesh, 80 GiB.
 3. ``heu_vs_opt``: a 2-layer GPT planned as one stage by Lynx-HEU and by Lynx-OPT started from
-   HEU's plan; simulated step time, OPT's status and bound.
+   HEU's plan; simulated step time, OPT's status and bound. ``heu_vs_opt_synthetic``: the same on
+   random 3-layer graphs (4 operators per layer) where OPT is proven optimal.
 4. ``throughput``: GPT-1.3B/7B/13B/23B shapes, 4 stages of a 1x4 mesh, 8 micro-batches,
    40 GiB, NVLink and PCIe: even split with full or selective recomputation (Lynx's baselines),
    even split with Lynx-HEU (+recomputation), Lynx partitioning (+all) and DawnPiper's.
@@ -19,6 +20,7 @@ Usage: python -m experiments.lynx_pipeline [--quick] [--json] [--opt-time-limit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -30,6 +32,7 @@ from experiments.common import problem_of, pyplot, results_path, save_figure, wr
 from kiwi_jax.pipeline import model_profile
 from solvers import lynx
 from solvers.pipeline import partition
+from solvers.synthetic import layered_problem
 
 GIB = 2**30
 SHAPES = {  # name: (layers, hidden, heads)
@@ -111,6 +114,34 @@ def heu_vs_opt(config, mesh, cluster, fractions, time_limit) -> list[dict]:
     return rows
 
 
+def heu_vs_opt_synthetic(seeds, layers, width, cut, time_limit) -> list[dict]:
+    """Lynx-HEU against a proven Lynx-OPT on random layered graphs small enough for it: the
+    budget is the keep-all peak less ``cut`` of the layers' held activations."""
+    rows = []
+    for seed in seeds:
+        problem = layered_problem(layers=layers, seed=seed, width=width)
+        strategy = np.zeros(problem.num_nodes, np.int64)
+        keep_all = solvers.simulate(problem, strategy)
+        held = sum(int(problem.memory[i][0]) for i in np.flatnonzero(problem.recomputable))
+        budget = int(keep_all.peak_bytes - cut * held)
+        row = {"seed": seed, "operators": problem.num_nodes, "budget_bytes": budget}
+        try:
+            heu = lynx.lynx_heu(problem, budget, strategy)
+        except solvers.InfeasibleBudgetError:
+            rows.append({**row, "feasible": False})
+            continue
+        opt = lynx.lynx_opt(problem, budget, strategy, warm_start=heu, time_limit=time_limit)
+        rows.append({**row, "feasible": True, "heu_step_seconds": heu.objective,
+                     "opt_step_seconds": opt.objective, "opt_status": opt.status.value,
+                     "heu_throughput_vs_opt": opt.objective / heu.objective,
+                     "opt_seconds": opt.solve_seconds})
+    done = [r for r in rows if r["feasible"]]
+    if done:
+        _log(f"heu vs opt on {len(done)} random layered graphs: worst "
+             f"{min(r['heu_throughput_vs_opt'] for r in done):.4f} of OPT's throughput")
+    return rows
+
+
 def throughput(shapes, clusters, micro_batch_sizes, stages, micro_batches, budget, seq,
                mesh, vocab) -> list[dict]:
     rows = []
@@ -182,10 +213,10 @@ def main(argv=None) -> dict:
     if args.quick:
         tiny = {"hidden": 32, "heads": 2, "seq": 16, "vocab": 64}
         depth_profile = model_profile("gpt", layers=8, mesh="1x2", micro_batch=4, **tiny)
-        big = model_profile("gpt", layers=16, mesh="1x2", micro_batch=4, **tiny)
+        big = dataclasses.replace(depth_profile, layers=16)        # same layer, deeper
         setup = {"depths": (1, 4, 16), "exact_depths": (1,), "stages": 4, "search_budget": GIB,
                  "opt_config": {"hidden": 32, "heads": 2, "seq": 16, "batch": 16, "vocab": 64},
-                 "opt_mesh": "1x2", "fractions": (0.95,), "opt_time_limit": 5,
+                 "opt_mesh": "1x2", "fractions": (0.95,), "opt_time_limit": 5, "synthetic_seeds": range(2),
                  "shapes": {"gpt-tiny": (8, 32, 2)}, "clusters": ("a100-nvlink",),
                  "micro_batch_sizes": (4,), "seq": 16, "vocab": 64, "mesh": "1x2",
                  "budget": 8 * 2**20}
@@ -199,6 +230,7 @@ def main(argv=None) -> dict:
                  "opt_config": {"hidden": 64, "heads": 2, "seq": 32, "batch": 32,
                                 "vocab": 64},
                  "opt_mesh": "1x4", "fractions": (0.99, 0.97, 0.95),
+                 "synthetic_seeds": range(20),
                  "opt_time_limit": args.opt_time_limit, "shapes": SHAPES,
                  "clusters": ("a100-nvlink", "a100-pcie"), "micro_batch_sizes": (8, 16),
                  "seq": 1024, "vocab": 51200, "mesh": "1x4", "budget": 40 * GIB}
@@ -207,6 +239,8 @@ def main(argv=None) -> dict:
               "search_time": search_time(big, setup["stages"], 8, setup["search_budget"]),
               "heu_vs_opt": heu_vs_opt(setup["opt_config"], setup["opt_mesh"], "a100-pcie",
                                        setup["fractions"], setup["opt_time_limit"]),
+              "heu_vs_opt_synthetic": heu_vs_opt_synthetic(
+                  setup["synthetic_seeds"], 3, 4, 0.5, setup["opt_time_limit"]),
               "throughput": throughput(setup["shapes"], setup["clusters"],
                                        setup["micro_batch_sizes"], 4, 8, setup["budget"],
                                        setup["seq"], setup["mesh"], setup["vocab"])}

@@ -467,32 +467,33 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     held_all = len(layers) * ops.kept_bytes(ops.needed | ops.pinned)
     rest = keep_all.peak_bytes - held_all
     budget = None if budget_bytes is None else budget_bytes - rest
-    best = None
-    solves = 0.0
+    found: list[tuple[LayerPolicy, dict, object]] = []
     for _round in range(8):
         policy = heu_policy(ops, budget, layers=len(layers), backend=backend,
                             time_limit=time_limit)
         if policy is None:
             break
-        solves += policy.solve_seconds
         schedule = _schedule(problem, ops, policy, counterparts)
-        sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
-        if budget_bytes is None or sim.peak_bytes <= budget_bytes:
-            best = policy, schedule, sim
+        found.append((policy, schedule,
+                      simulate(problem, strategy, recompute_at=schedule, overlap=True)))
+        excess = 0 if budget_bytes is None else found[-1][2].peak_bytes - budget_bytes
+        if excess <= 0:
             break
-        budget -= sim.peak_bytes - budget_bytes
-        log.info("lynx-heu: step peaks %d bytes over the budget; solving again",
-                 sim.peak_bytes - budget_bytes)
-    if best is None:     # the peak is not monotone in the held bytes: sweep the layer budget
-        sweep = _sweep(problem, strategy, ops, counterparts, len(layers), held_all, backend,
-                       time_limit)
-        solves += sum(p.solve_seconds for p, _, _ in sweep)
-        fitting = [c for c in sweep if c[2].peak_bytes <= budget_bytes]
-        if not fitting:
-            smallest = min([simulate(problem, strategy).peak_bytes]
-                           + [sim.peak_bytes for _, _, sim in sweep])
-            raise InfeasibleBudgetError("lynx-heu", int(budget_bytes), int(smallest))
-        best = min(fitting, key=lambda c: c[2].step_seconds)
+        budget -= excess
+        log.info("lynx-heu: step peaks %d bytes over the budget; solving again", excess)
+    if budget_bytes is not None and (len(found) != 1 or found[0][2].peak_bytes > budget_bytes):
+        # lowering by the excess overshoots, and the peak is not monotone in the held bytes
+        # (values recomputed together can peak above the ones they replace): sweep the layer's
+        # activation budget as well and keep the fastest plan that fits
+        found += _sweep(problem, strategy, ops, counterparts, len(layers), held_all, backend,
+                        time_limit)
+    solves = sum(c[0].solve_seconds for c in found)
+    fitting = [c for c in found if budget_bytes is None or c[2].peak_bytes <= budget_bytes]
+    if not fitting:
+        smallest = min([simulate(problem, strategy).peak_bytes]
+                       + [c[2].peak_bytes for c in found])
+        raise InfeasibleBudgetError("lynx-heu", int(budget_bytes), int(smallest))
+    best = min(fitting, key=lambda c: c[2].step_seconds)
     policy, schedule, sim = best
     keep = np.ones(problem.num_nodes, bool)
     keep[list(schedule)] = False
