@@ -43,7 +43,9 @@ def _path(op_name: str) -> str:
 
 
 def _input_groups(problem, side_of_weight: dict[int, str]) -> dict[int, str]:
-    """Per input node, 'layer', 'embed' or 'head' (optimizer state follows its weight)."""
+    """Per input node, 'layer', 'repeat' (another layer's), 'embed' or 'head' (optimizer state
+    follows its weight; inputs that are no weight's, such as the batch, go with the
+    embedding)."""
     paths = {i: _path(problem.op_names[i]) for i in np.flatnonzero(problem.phase == PARAM)}
     weights = {paths[i]: side for i, side in side_of_weight.items() if paths[i]}
     out = {}
@@ -110,15 +112,15 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
         users = readers[i]
         if problem.layer[i] == 0:
             side_of_weight[int(i)] = "layer"
+        elif problem.layer[i] >= 1:
+            side_of_weight[int(i)] = "repeat"         # layer 1 repeats layer 0
         elif problem.layer[i] < 0 and users and any(embed_fwd[u] for u in users):
             side_of_weight[int(i)] = "embed"
         elif problem.layer[i] < 0 and users and any(head_fwd[u] for u in users):
             side_of_weight[int(i)] = "head"
     groups = _input_groups(problem, side_of_weight)
-    static = {"layer": 0, "embed": 0, "head": 0}
+    static = {"layer": 0, "embed": 0, "head": 0, "repeat": 0}
     for i, side in groups.items():
-        if problem.layer[i] >= 1:
-            continue                          # layer 1 repeats layer 0
         grad = memory[i] if i in side_of_weight else 0
         static[side] += int(memory[i] + grad)
     optimizer = float(cost[phase == OPTIMIZER].sum())
