@@ -216,7 +216,8 @@ def main(argv=None) -> dict:
         big = dataclasses.replace(depth_profile, layers=16)        # same layer, deeper
         setup = {"depths": (1, 4, 16), "exact_depths": (1,), "stages": 4, "search_budget": GIB,
                  "opt_config": {"hidden": 32, "heads": 2, "seq": 16, "batch": 16, "vocab": 64},
-                 "opt_mesh": "1x2", "fractions": (0.95,), "opt_time_limit": 5, "synthetic_seeds": range(2),
+                 "opt_mesh": "1x2", "fractions": (0.95,), "opt_time_limit": 5,
+                 "synthetic_seeds": range(2),
                  "shapes": {"gpt-tiny": (8, 32, 2)}, "clusters": ("a100-nvlink",),
                  "micro_batch_sizes": (4,), "seq": 16, "vocab": 64, "mesh": "1x2",
                  "budget": 8 * 2**20}
