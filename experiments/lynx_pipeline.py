@@ -199,7 +199,9 @@ def plot(result, path) -> None:
     axes[1].set_xticks(np.arange(len(labels)) + 0.4,
                        [f"{m}\n{c.split('-')[1]} mbs{b}" for m, c, b in labels], fontsize=6)
     axes[1].set_ylabel("throughput / (even + full recompute)")
-    axes[1].legend(fontsize=7)
+    top = max((r["vs_full_recompute"] for r in rows), default=1.0)
+    axes[1].set_ylim(0.8, top + 0.12)
+    axes[1].legend(fontsize=7, ncol=3, loc="upper center")
     save_figure(fig, "Lynx / DawnPiper (simulated, 4 stages, 8 micro-batches)", path)
 
 
