@@ -92,7 +92,7 @@ def sweep_fractions(lowest: float, step: float = 0.05) -> list[float]:
 def _plan_row(problem, sol, reference) -> dict:
     sim = solvers.simulate(problem, sol.strategy, recompute_at=sol.recompute_at)
     recomputed = sol.recomputed
-    recomputed_bytes = sum(int(problem.memory[i][sol.strategy[i]]) for i in recomputed)
+    recomputed_bytes = int(problem.memory_of(sol.strategy)[recomputed].sum())
     return {"feasible": True, "status": sol.status.value, "gap": sol.gap,
             "solve_seconds": round(sol.solve_seconds, 3), "step_seconds": sim.step_seconds,
             "normalised_overhead": sim.step_seconds / reference.objective,

@@ -34,9 +34,9 @@ def explain(build: ProblemBuild, plan: Plan, verbose: bool = False) -> str:
     """
     graph, problem = build.graph, build.problem
     strategy, recomputed = plan.strategy, set(plan.recomputed)
-    seconds = np.array([problem.compute[i][strategy[i]] + problem.comm[i][strategy[i]]
-                        for i in range(problem.num_nodes)])
-    memory = np.array([problem.memory[i][strategy[i]] for i in range(problem.num_nodes)])
+    compute, comm, _reshard = problem.costs_of(strategy)
+    seconds = compute + comm
+    memory = problem.memory_of(strategy)
     layers = collections.defaultdict(list)
     for node in graph.nodes:
         layers[node.layer].append(node)

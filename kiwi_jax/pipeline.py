@@ -90,7 +90,7 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     strategy = plan.strategy
     compute, comm = split_costs(problem, strategy)
     cost = compute + comm
-    memory = np.array([problem.memory[i][s] for i, s in enumerate(strategy)], np.int64)
+    memory = problem.memory_of(strategy)
     ops = layer_ops(problem, strategy, 0)
     tagged = problem.layer >= 0
     phase = problem.phase

@@ -53,12 +53,8 @@ critical path, keep what memory allows."""
 def split_costs(problem: ShardingProblem, strategy) -> tuple[np.ndarray, np.ndarray]:
     """``(compute, communication)`` seconds per node under ``strategy``: communication is the
     node's own collectives plus the resharding of its operands."""
-    strategy = np.asarray(strategy)
-    compute = np.array([problem.compute[i][s] for i, s in enumerate(strategy)])
-    comm = np.array([problem.comm[i][s] for i, s in enumerate(strategy)])
-    for e, (src, dst, _slot) in enumerate(problem.edges):
-        comm[dst] += problem.resharding[e][strategy[src], strategy[dst]]
-    return compute, comm
+    compute, comm, reshard = problem.costs_of(strategy)
+    return compute, comm + reshard
 
 
 def fixed_strategy(problem: ShardingProblem, strategy) -> ShardingProblem:
@@ -120,7 +116,7 @@ class LayerOps:
 def layer_ops(problem: ShardingProblem, strategy, layer: int) -> LayerOps:
     """The forward operators of ``layer`` under ``strategy`` (see :class:`LayerOps`)."""
     compute, comm = split_costs(problem, strategy)
-    memory = np.array([problem.memory[i][s] for i, s in enumerate(strategy)], np.int64)
+    memory = problem.memory_of(strategy)
     in_layer = problem.layer == layer
     fwd = np.flatnonzero(in_layer & (problem.phase == FORWARD))
     bwd = np.flatnonzero(in_layer & (problem.phase == BACKWARD))

@@ -123,6 +123,22 @@ class ShardingProblem:
             out[int(src)].append(int(dst))
         return out
 
+    def costs_of(self, strategy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(compute, own collectives, operand resharding)`` seconds per node under
+        ``strategy`` (one strategy index per node)."""
+        strategy = np.asarray(strategy)
+        compute = np.array([self.compute[i][s] for i, s in enumerate(strategy)])
+        comm = np.array([self.comm[i][s] for i, s in enumerate(strategy)])
+        reshard = np.zeros(self.num_nodes)
+        for e, (src, dst, _slot) in enumerate(self.edges):
+            reshard[dst] += self.resharding[e][strategy[src], strategy[dst]]
+        return compute, comm, reshard
+
+    def memory_of(self, strategy) -> np.ndarray:
+        """Per-device output bytes per node under ``strategy``."""
+        return np.array([self.memory[i][s] for i, s in enumerate(np.asarray(strategy))],
+                        dtype=np.int64)
+
     def node_cost(self, i: int) -> np.ndarray:
         """c_i + d_i per strategy of node i."""
         return self.compute[i] + self.comm[i]

@@ -130,15 +130,11 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
     for i in np.flatnonzero(problem.is_output):
         use(int(i), n)
 
-    compute = np.array([problem.compute[i][s] for i, s in enumerate(strategy)])
-    comm = np.array([problem.comm[i][s] for i, s in enumerate(strategy)])
-    reshard = np.zeros(n)
-    for e, (src, dst, _slot) in enumerate(problem.edges):
-        reshard[dst] += problem.resharding[e][strategy[src], strategy[dst]]
+    compute, comm, reshard = problem.costs_of(strategy)
     per_node = compute + comm + reshard
     executions = np.array([len(c) for c in creations])
     hidden = _hidden_seconds(recomputed_in, operands, compute, comm + reshard) if overlap else 0.0
-    memory = np.array([problem.memory[i][s] for i, s in enumerate(strategy)], dtype=np.int64)
+    memory = problem.memory_of(strategy)
 
     delta = np.zeros(n + 2, dtype=np.int64)
     for i in range(n):
