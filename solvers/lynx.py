@@ -37,7 +37,7 @@ from solvers.full import build_full
 from solvers.linexpr import Expr, const, total, var
 from solvers.problem import PHASES, ShardingProblem
 from solvers.reuse import layer_ties
-from solvers.simulator import hidden_recomputations, simulate
+from solvers.simulator import overlapped_recomputations, simulate
 from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status
 
 __all__ = ["LayerOps", "LayerPolicy", "layer_ops", "heu_policy", "policy_from_keep", "lynx_heu",
@@ -107,6 +107,14 @@ class LayerOps:
     @property
     def size(self) -> int:
         return len(self.nodes)
+
+    def readers(self) -> list[list[int]]:
+        """Per operator, the operators of the layer that read it (local indices)."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for i, ins in enumerate(self.operands):
+            for j in ins:
+                out[j].append(i)
+        return out
 
     def kept_bytes(self, keep: np.ndarray) -> int:
         """Bytes one micro-batch holds from the forward to the backward pass."""
@@ -336,10 +344,9 @@ def heu_policy(ops: LayerOps, activation_budget: float | None, layers: int = 1,
     n_windows = len(fwd) + len(ops.backward_windows)
     if pooled:
         phase = _pack(ops, operands, phase, windows, n_phases)
+    readers = ops.readers()
     for j in reversed(np.flatnonzero(free)):      # free operands go with their first reader
-        readers = [phase[r] for r in range(j + 1, ops.size) if j in ops.operands[r]
-                   and phase[r] >= 0]
-        phase[j] = min(readers, default=-1)
+        phase[j] = min((phase[r] for r in readers[j] if phase[r] >= 0), default=-1)
     return _policy(ops, keep, phase, len(fwd), n_windows, status=result.status,
                    solve_seconds=time.perf_counter() - start, num_vars=model.num_vars,
                    num_constraints=model.num_rows)
@@ -403,10 +410,7 @@ def _schedule(problem: ShardingProblem, ops: LayerOps, policy: LayerPolicy,
     recomputation move as early as their readers.
     """
     n = problem.num_nodes
-    readers: list[list[int]] = [[] for _ in range(ops.size)]
-    for i, ins in enumerate(ops.operands):
-        for j in ins:
-            readers[j].append(i)
+    readers = ops.readers()
     schedule: dict[int, tuple[int, ...]] = {}
     for layer, mapping in sorted(counterparts.items()):
         nodes = [mapping.get(int(r), -1) for r in ops.nodes]
@@ -428,16 +432,18 @@ def _schedule(problem: ShardingProblem, ops: LayerOps, policy: LayerPolicy,
     return schedule
 
 
-def _hidden_under(problem: ShardingProblem, comm: np.ndarray,
-                  schedule: dict[int, tuple[int, ...]]) -> dict[int, int]:
-    """Per recomputation that the simulator's overlap rule hides, its collective's node."""
-    operands = problem.operands()
-    recomputed_in: dict[int, list[int]] = {}
-    for i, stages in schedule.items():
-        for t in stages:
-            recomputed_in.setdefault(t, []).append(i)
-    return {i: t for t, nodes in recomputed_in.items() if comm[t] > 0
-            for i in hidden_recomputations(t, nodes, operands) if comm[i] <= 0}
+def _solution(problem: ShardingProblem, strategy, schedule: dict[int, tuple[int, ...]],
+              sim, **fields) -> Solution:
+    """The typed answer of a Lynx program: keep flags, the window of each hidden recomputation
+    (the simulator's overlap rule) and the simulated figures."""
+    keep = np.ones(problem.num_nodes, bool)
+    keep[list(schedule)] = False
+    pairs = overlapped_recomputations(schedule, problem.operands(),
+                                      split_costs(problem, strategy)[1])
+    return Solution(
+        strategy=strategy, keep=keep, recompute_at=schedule, peak_bytes=sim.peak_bytes,
+        hidden_under=dict(pairs), overlapped_recompute_seconds=sim.overlapped_recompute_seconds,
+        on_demand_recompute_seconds=sim.recompute_seconds, **fields)
 
 
 def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
@@ -446,7 +452,7 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     demand, as on Lynx's last pipeline stage): the sharding is fixed to ``strategy``, one layer's
     policy is solved and applied to every layer, and the simulator checks the step's peak; when
     it is over the budget, the activation budget is lowered by the excess and the layer solved
-    again.
+    again, and the layer's activation budget is also swept; the fastest plan that fits wins.
 
     Raises:
       InfeasibleBudgetError: no policy fits; carries the peak of the policy holding least.
@@ -486,22 +492,16 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     solves = sum(c[0].solve_seconds for c in found)
     fitting = [c for c in found if budget_bytes is None or c[2].peak_bytes <= budget_bytes]
     if not fitting:
-        smallest = min([simulate(problem, strategy).peak_bytes]
-                       + [c[2].peak_bytes for c in found])
+        smallest = min([keep_all.peak_bytes] + [c[2].peak_bytes for c in found])
         raise InfeasibleBudgetError("lynx-heu", int(budget_bytes), int(smallest))
     best = min(fitting, key=lambda c: c[2].step_seconds)
     policy, schedule, sim = best
-    keep = np.ones(problem.num_nodes, bool)
-    keep[list(schedule)] = False
-    return Solution(
-        solver="lynx-heu", backend=backend, status=policy.status, objective=sim.step_seconds,
-        gap=0.0, solve_seconds=solves, build_seconds=time.perf_counter() - start - solves,
-        num_vars=policy.num_vars, num_constraints=policy.num_constraints,
-        budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
-        peak_bytes=sim.peak_bytes, claimed_peak_bytes=None,
-        hidden_under=_hidden_under(problem, split_costs(problem, strategy)[1], schedule),
-        overlapped_recompute_seconds=sim.overlapped_recompute_seconds,
-        on_demand_recompute_seconds=sim.recompute_seconds)
+    return _solution(
+        problem, strategy, schedule, sim, solver="lynx-heu", backend=backend,
+        status=policy.status, objective=sim.step_seconds, gap=0.0, solve_seconds=solves,
+        build_seconds=time.perf_counter() - start - solves, num_vars=policy.num_vars,
+        num_constraints=policy.num_constraints, budget_bytes=budget_bytes,
+        claimed_peak_bytes=None)
 
 
 def _sweep(problem, strategy, ops, counterparts, layers, held_all, backend, time_limit,
@@ -582,20 +582,14 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
             raise InfeasibleBudgetError("lynx-opt", int(budget_bytes), None, searched=False)
         raise SolverError(f"lynx-opt: no plan ({result.status.value}) in {time_limit:.0f} s")
     schedule = staged.schedule(result.x)
-    keep = np.ones(problem.num_nodes, bool)
-    keep[list(schedule)] = False
     sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
     status = result.status
     if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
         status = Status.FEASIBLE
-    return Solution(
-        solver="lynx-opt", backend=backend, status=status,
+    return _solution(
+        problem, strategy, schedule, sim, solver="lynx-opt", backend=backend, status=status,
         objective=float(result.objective) * units,
         gap=0.0 if status == Status.OPTIMAL else float(result.gap),
         solve_seconds=result.seconds, build_seconds=time.perf_counter() - start - result.seconds,
         num_vars=model.num_vars, num_constraints=model.num_rows, budget_bytes=budget_bytes,
-        strategy=strategy, keep=keep, recompute_at=schedule, peak_bytes=sim.peak_bytes,
-        claimed_peak_bytes=staged.claimed_peak(result.x),
-        hidden_under=_hidden_under(problem, comm, schedule),
-        overlapped_recompute_seconds=sim.overlapped_recompute_seconds,
-        on_demand_recompute_seconds=sim.recompute_seconds)
+        claimed_peak_bytes=staged.claimed_peak(result.x))

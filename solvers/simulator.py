@@ -36,7 +36,7 @@ import numpy as np
 
 from solvers.problem import PHASES, ShardingProblem
 
-__all__ = ["SimResult", "simulate", "reduced_schedule"]
+__all__ = ["SimResult", "simulate", "reduced_schedule", "overlapped_recomputations"]
 
 PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
 
@@ -133,7 +133,8 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
     compute, comm, reshard = problem.costs_of(strategy)
     per_node = compute + comm + reshard
     executions = np.array([len(c) for c in creations])
-    hidden = _hidden_seconds(recomputed_in, operands, compute, comm + reshard) if overlap else 0.0
+    hidden = _hidden_seconds(overlapped_recomputations(recompute_at, operands, comm + reshard),
+                             compute, comm + reshard) if overlap else 0.0
     memory = problem.memory_of(strategy)
 
     delta = np.zeros(n + 2, dtype=np.int64)
@@ -156,7 +157,25 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         overlapped_recompute_seconds=hidden)
 
 
-def hidden_recomputations(t: int, recomputed: list[int], operands) -> set[int]:
+def overlapped_recomputations(recompute_at: dict[int, tuple[int, ...]], operands,
+                               communication) -> list[tuple[int, int]]:
+    """``(recomputed node, stage)`` of every recomputation that runs beside the communication of
+    its stage's node (the overlap rule in the module notes).
+
+    Args:
+      recompute_at: per forward node, the stages where it is recomputed.
+      operands: per node, the nodes it reads.
+      communication: per node, seconds of its collectives and operand resharding.
+    """
+    by_stage: dict[int, list[int]] = {}
+    for i, stages in recompute_at.items():
+        for t in stages:
+            by_stage.setdefault(int(t), []).append(int(i))
+    return [(j, t) for t, nodes in sorted(by_stage.items()) if communication[t] > 0
+            for j in sorted(_not_waited_for(t, nodes, operands)) if communication[j] <= 0]
+
+
+def _not_waited_for(t: int, recomputed: list[int], operands) -> set[int]:
     """The recomputations of stage ``t`` that node t does not wait for: not read by it, nor by
     a recomputation of the stage it waits for."""
     here = set(recomputed)
@@ -170,12 +189,10 @@ def hidden_recomputations(t: int, recomputed: list[int], operands) -> set[int]:
     return here - waited
 
 
-def _hidden_seconds(recomputed_in, operands, compute, comm) -> float:
-    """Seconds of recomputation that run beside a stage node's communication."""
-    hidden = 0.0
-    for t, nodes in recomputed_in.items():
-        if comm[t] <= 0:
-            continue
-        free = [j for j in hidden_recomputations(t, nodes, operands) if comm[j] <= 0]
-        hidden += min(float(comm[t]), float(compute[free].sum()))
-    return hidden
+def _hidden_seconds(pairs, compute, communication) -> float:
+    """Seconds of recomputation that run beside a stage node's communication: per stage, the
+    recomputations' compute up to the node's communication seconds."""
+    per_stage: dict[int, float] = {}
+    for j, t in pairs:
+        per_stage[t] = per_stage.get(t, 0.0) + float(compute[j])
+    return sum(min(float(communication[t]), seconds) for t, seconds in per_stage.items())
