@@ -148,13 +148,17 @@ class Interpreter:
     def _recompute(self, dropped: str, producer, recomputed, current, anchor_invals) -> None:
         """Recompute the equation at ``dropped`` now, tied to ``anchor_invals``."""
         found = [(var, entry) for var, entry in producer.items() if entry[1] == dropped]
-        if not found or found[0][0] in recomputed:
-            return
-        src_eqn, path, name_stack = found[0][1]
-        inputs = [current(v) for v in src_eqn.invars]
-        tie = [v for v in anchor_invals if hasattr(v, "shape")]
-        inputs, _ = jax.lax.optimization_barrier((inputs, tie))
-        outs = self._bind(src_eqn, inputs, path, name_stack.extend(OVERLAP_SCOPE))
+        if found and found[0][0] not in recomputed:
+            tie = [v for v in anchor_invals if hasattr(v, "shape")]
+            self._rerun(found[0][1], tie, recomputed, current, scope=OVERLAP_SCOPE)
+
+    def _rerun(self, entry, tie, recomputed, current, scope: str | None = None) -> None:
+        """Run a producer equation again behind an optimization barrier tied to ``tie`` and
+        record its outputs as recomputed."""
+        src_eqn, path, name_stack = entry
+        inputs, _ = jax.lax.optimization_barrier(([current(v) for v in src_eqn.invars], tie))
+        outs = self._bind(src_eqn, inputs, path,
+                          name_stack if scope is None else name_stack.extend(scope))
         for out_var, out in zip(src_eqn.outvars, outs):
             recomputed[out_var] = out
 
@@ -169,11 +173,6 @@ class Interpreter:
         for i in dropped:
             var = eqn.invars[i]
             if var not in recomputed:
-                src_eqn, path, name_stack = producer[var]
-                inputs = [read(v) for v in src_eqn.invars]
-                inputs, _ = jax.lax.optimization_barrier((inputs, anchor or invals))
-                outs = self._bind(src_eqn, inputs, path, name_stack)
-                for out_var, out in zip(src_eqn.outvars, outs):
-                    recomputed[out_var] = out
+                self._rerun(producer[var], anchor or invals, recomputed, read)
             invals[i] = recomputed[var]
         return invals
