@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hlo_tools.hlo_text import HloParseError
+from hlo_tools.hlo_text import HloParseError, parse_module
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -351,35 +351,6 @@ class Placement:
     between the recomputation and its collective)."""
 
 
-def _entry_schedule(hlo_text: str) -> tuple[list[tuple[str, str, list[str]]], dict]:
-    """``[(name, opcode, op_names incl. fused ones)]`` of the entry computation, in order."""
-    bodies: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and " = " not in line and not line.startswith(" "):
-            header = line.split()
-            is_entry = header[0] == "ENTRY"
-            current = header[1 if is_entry else 0].lstrip("%")
-            entry = current if is_entry else entry
-            bodies[current] = []
-        elif current is not None and _INSTR_RE.match(line):
-            bodies[current].append(line)
-    if entry is None:
-        raise HloParseError("no ENTRY computation in the module text")
-    schedule = []
-    for line in bodies[entry]:
-        m = _INSTR_RE.match(line)
-        rest = m["rest"]
-        shape_end = _matching(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-        op = _OPCODE_RE.match(rest, max(shape_end, 0))
-        names = _OP_NAME_RE.findall(rest)
-        called = re.search(r"calls=%?([\w.\-]+)", rest)
-        if called and called[1] in bodies:
-            names += [n for inner in bodies[called[1]] for n in _OP_NAME_RE.findall(inner)]
-        schedule.append((m["name"], op["opcode"] if op else "", names))
-    return schedule, bodies
-
-
 def placements(hlo_text: str, scope: str, anchor_tags: Iterable[str]) -> list[Placement]:
     """For each scheduled instruction whose op_name (or a fused one's) contains ``scope``: the
     next collective whose op_name carries one of ``anchor_tags`` (e.g. ``/k715/``), and how
@@ -390,17 +361,24 @@ def placements(hlo_text: str, scope: str, anchor_tags: Iterable[str]) -> list[Pl
       scope: the name scope of the instructions to place (``lynx_overlap``).
       anchor_tags: substrings identifying the anchors' collectives.
     """
-    schedule, _ = _entry_schedule(hlo_text)
+    module = parse_module(hlo_text)
+    schedule = module.entry.instructions
+
+    def op_names(instr) -> list[str]:        # a fusion's own and its fused instructions'
+        called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+        return [instr.op_name, *(i.op_name for i in (called.instructions if called else ()))]
+
+    names = [op_names(instr) for instr in schedule]
     tags = tuple(anchor_tags)
-    is_collective = [op.removesuffix("-start") in KINDS for _, op, _ in schedule]
-    anchored = [c and any(t in n for t in tags for n in names)
-                for c, (_, _, names) in zip(is_collective, schedule)]
+    is_collective = [instr.opcode.removesuffix("-start") in KINDS for instr in schedule]
+    anchored = [c and any(t in n for t in tags for n in ns)
+                for c, ns in zip(is_collective, names)]
     out = []
-    for k, (name, _op, names) in enumerate(schedule):
-        if not any(scope in n for n in names):
+    for k, instr in enumerate(schedule):
+        if not any(scope in n for n in names[k]):
             continue
-        after = [j for j in range(k, len(schedule)) if anchored[j]]
-        j = after[0] if after else None
+        j = next((j for j in range(k, len(schedule)) if anchored[j]), None)
         between = sum(is_collective[k + 1:j]) if j is not None else 0
-        out.append(Placement(k, name, None if j is None else schedule[j][0], j, between))
+        out.append(Placement(k, instr.name, None if j is None else schedule[j].name, j,
+                             between))
     return out
