@@ -155,23 +155,18 @@ def throughput(shapes, clusters, micro_batch_sizes, stages, micro_batches, budge
                 for method, policy in METHODS:
                     results[method, policy] = partition(profile, stages, micro_batches, budget,
                                                         method=method, policy=policy)
-                base = results["even", "full"]
+                base, selective = results["even", "full"], results["even", "selective"]
                 for (method, policy), result in results.items():
                     rows.append({"model": name, "cluster": cluster, "micro_batch": micro_batch,
                                  **result.summary(),
                                  "vs_full_recompute": result.throughput / base.throughput
-                                 if base.fits and result.fits else None})
+                                 if base.fits and result.fits else None,
+                                 "vs_selective": result.throughput / selective.throughput
+                                 if selective.fits and result.fits else None})
                 best = results["lynx", "lynx"]
                 _log(f"{name} {cluster} mbs {micro_batch}: lynx {best.throughput:.3f} "
                      f"samples/s, full {base.throughput:.3f}, selective "
-                     f"{results['even', 'selective'].throughput:.3f}")
-    for row in rows:
-        selective = next(r for r in rows if r["model"] == row["model"]
-                         and r["cluster"] == row["cluster"]
-                         and r["micro_batch"] == row["micro_batch"]
-                         and (r["method"], r["policy"]) == ("even", "selective"))
-        row["vs_selective"] = row["simulated_throughput"] / selective["simulated_throughput"] \
-            if selective["fits"] and row["fits"] else None
+                     f"{selective.throughput:.3f}")
     return rows
 
 

@@ -311,13 +311,19 @@ def _balanced_counts(per_layer: float, first: float, last: float, layers: int,
     return best_counts
 
 
+def _step_seconds(profile: ModelProfile, plans: list[StagePlan], micro_batches: int) -> float:
+    """The simulated 1F1B step of these stage plans (infinite when a stage does not fit)."""
+    if not all(p.fits for p in plans):
+        return math.inf
+    return simulate_1f1b([p.forward_seconds for p in plans], [p.backward_seconds for p in plans],
+                         profile.transfer_seconds(), micro_batches,
+                         [p.optimizer_seconds for p in plans])
+
+
 def _result(method, policy, planner: _Planner, counts, micro_batches, start) -> PipelineResult:
     plans = planner.plans(counts)
     fits = all(p.fits for p in plans)
-    seconds = simulate_1f1b([p.forward_seconds for p in plans],
-                            [p.backward_seconds for p in plans],
-                            planner.profile.transfer_seconds(), micro_batches,
-                            [p.optimizer_seconds for p in plans]) if fits else math.inf
+    seconds = _step_seconds(planner.profile, plans, micro_batches)
     samples = micro_batches * planner.profile.micro_batch
     return PipelineResult(method=method, policy=policy, stages=tuple(plans),
                           micro_batches=micro_batches, step_seconds=seconds,
@@ -344,10 +350,7 @@ def _lynx(planner: _Planner, counts: list[int], micro_batches: int) -> list[int]
     def score(counts):
         plans = planner.plans(counts)
         times = [p.step_seconds for p in plans]
-        step = math.inf if not all(p.fits for p in plans) else simulate_1f1b(
-            [p.forward_seconds for p in plans], [p.backward_seconds for p in plans],
-            planner.profile.transfer_seconds(), micro_batches,
-            [p.optimizer_seconds for p in plans])
+        step = _step_seconds(planner.profile, plans, micro_batches)
         over = sum(max(0, p.peak_bytes - planner.args[2]) for p in plans)
         return [step, over, *sorted(times, reverse=True)], times
 
