@@ -224,7 +224,7 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
     compiled = prepared.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     found = collectives(compiled.as_text(), ids)
-    attributed = attributed_comms(prepared.build, prepared.plan.strategy)
+    attributed = attributed_comms(prepared.build, prepared.plan.strategy, prepared.plan.keep)
     carried = carried_comms(prepared)
     # Per operator: a second compile without the combiners that merge collectives of several
     # operators into one instruction (totals come from the executable that runs).

@@ -15,6 +15,7 @@ import kiwi_jax
 import solvers
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
+from kiwi_jax.verify import TOLERANCE
 
 SMALL = {
     "gpt": dict(layers=1, hidden=32, heads=2, seq=16, batch=8, vocab=64),
@@ -44,6 +45,11 @@ def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
     assert report.max_loss_rel_diff <= 1e-5
     assert report.max_param_rel_diff <= 1e-5
     assert report.fits, report.table()         # the compiled step fits the budget it was given
+    if (name, shape) != ("linen_mlp", (1, 8)):
+        # Predicted vs compiled collective bytes, within 1.4% on the GPT and encoder, 4.3% on
+        # the MLP. The Linen MLP on 1x8 (10 KB of collectives in all) is partitioned by XLA with
+        # an all-reduce where the plan all-to-alls: -20%, listed in docs/apply.md.
+        assert abs(report.collective_error) <= TOLERANCE, report.table()
 
 
 def test_nnx_step_updates_in_place_and_compiles_once_per_shape(mesh24):
