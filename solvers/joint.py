@@ -141,6 +141,7 @@ class Builder:
         self.tie = np.arange(problem.num_nodes) if tie is None else np.asarray(tie)
         self.s_vars: dict[int, np.ndarray] = {}
         self.e_cache: dict = {}
+        self.class_cache: dict = {}
         self._mem: list[Expr | None] = [None] * problem.num_nodes
         k = problem.num_strategies
         leaders = [int(leader) for leader in problem.leaders if k[leader] > 1]
@@ -266,16 +267,23 @@ class Builder:
                 for e, m in zip(edges, mats):
                     out[e] = self.leader_expr(ls, m[:, 0] - m[0, 0]) + self.leader_expr(ld, m[0])
                 continue
-            rows = _classes(np.hstack(mats))
-            cols = _classes(np.vstack(mats).T)
+            rows, first_a = self._classes(np.hstack(mats))
+            cols, first_b = self._classes(np.vstack(mats).T)
             evars = self._pair_vars(ls, ld, rows, cols)
-            first_a = _first_of_class(rows)
-            first_b = _first_of_class(cols)
             for e, m in zip(edges, mats):
                 block = m[np.ix_(first_a, first_b)].ravel()
                 nz = block != 0
                 out[e] = Expr(evars.ravel()[nz], block[nz])
         return out
+
+    def _classes(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(class of every row, first row of every class)``, memoised: repeated layers
+        present the same matrices once per layer."""
+        key = (matrix.shape, matrix.tobytes())
+        if key not in self.class_cache:
+            classes = _classes(matrix)
+            self.class_cache[key] = classes, _first_of_class(classes)
+        return self.class_cache[key]
 
     def _pair_vars(self, ls: int, ld: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Joint class indicators of two leaders (shared by pairs with the same binaries and

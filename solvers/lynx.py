@@ -36,7 +36,6 @@ from solvers.backend import DEFAULT_BACKEND, Model
 from solvers.full import build_full
 from solvers.linexpr import Expr, const, total, var
 from solvers.problem import PHASES, ShardingProblem
-from solvers.reuse import layer_ties
 from solvers.simulator import overlapped_recomputations, simulate
 from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status
 
@@ -383,7 +382,7 @@ def _counterparts(problem: ShardingProblem, ops: LayerOps) -> dict[int, dict[int
     """Per layer, reference node -> the node of that layer it corresponds to (operators whose
     costs differ from the reference's, such as a last layer's output feeding the head, have
     none: the policy keeps them in that layer)."""
-    tie = layer_ties(problem)
+    tie = problem.ties
     out: dict[int, dict[int, int]] = {}
     for i in np.flatnonzero(problem.layer >= 0):
         out.setdefault(int(problem.layer[i]), {})[int(tie[i])] = int(i)

@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -103,6 +104,14 @@ class ShardingProblem:
         overlap twice."""
         return (self.phase == PHASES.index("forward")) & self.z \
             & (self.first_bwd_use > self.fwd_last_use)
+
+    @functools.cached_property
+    def ties(self) -> np.ndarray:
+        """Per node, the node of the first repeated layer whose decisions it copies under layer
+        reuse (itself when untied); see :func:`solvers.reuse.layer_ties`. Computed once."""
+        from solvers.reuse import layer_ties   # local: reuse builds on this module
+
+        return layer_ties(self)
 
     @property
     def leaders(self) -> np.ndarray:

@@ -19,7 +19,7 @@ from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
 from solvers.joint import build_joint
 from solvers.problem import ShardingProblem
-from solvers.reuse import has_ties, layer_ties
+from solvers.reuse import has_ties
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status)
@@ -36,7 +36,7 @@ def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, r
     if solver == "kiwi-full":
         return build_full(problem, budget, minimize_peak=minimize_peak), None
     fixed = None if solver == "kiwi" else RULES[solver](problem)
-    tie = layer_ties(problem) if reuse_layers else None
+    tie = problem.ties if reuse_layers else None
     return build_joint(problem, budget, fixed_keep=fixed, minimize_peak=minimize_peak,
                        tie=tie), fixed
 
@@ -87,8 +87,7 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
             problem, solver, budget_bytes, backend, time_limit, reuse_layers)
     options = {"backend": backend, "mip_gap": mip_gap, "seed": seed, "threads": threads,
                "reuse_layers": reuse_layers}
-    solution = _solve(problem, budget_bytes, solver, warm_start,
-                      max(deadline - time.perf_counter(), 1.0), **options)
+    solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **options)
     if solution is None and not search_min_feasible:
         raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:
@@ -98,12 +97,14 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
     return solution
 
 
-def _solve(problem, budget_bytes, solver, warm_start, time_limit, backend, mip_gap, seed,
+def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
            threads, reuse_layers) -> Solution | None:
-    """One solve (None: the budget is infeasible)."""
+    """One solve, until ``deadline`` (``time.perf_counter()``; building the model counts, at
+    least a second is left to the backend). None: the budget is infeasible."""
     limit = budget_bytes
     for _attempt in range(3):
         joint, fixed = _formulation(problem, solver, limit, False, reuse_layers)
+        time_limit = max(deadline - time.perf_counter(), 1.0)
         log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
                  joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
         hint = None
@@ -151,43 +152,49 @@ def _solve(problem, budget_bytes, solver, warm_start, time_limit, backend, mip_g
 def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:
     """A plan that fits, to start the search from (None if none was found in time).
 
-    Cheaper programs run first, each seeding the next:
+    Cheaper programs run first, each seeding the next, each until a share of ``time_limit``
+    (a stage that proves its plan within ``STAGE_GAP`` ends early and leaves its time on):
     0. ``kiwi-full`` starts from ``kiwi``'s plan (half the time).
     1. ``kiwi`` starts from ``alpa``'s plan (a plan without recomputation is a ``kiwi`` plan,
-       so ``kiwi`` never ends slower than ``alpa`` given the same time), which itself starts
-       from the peak-minimising program; both get up to 30% of the time.
+       so ``kiwi`` never ends slower than the ``alpa`` plan it was given), which itself starts
+       from the peak-minimising program (10%); ``alpa`` runs until 50% of the time (60% when
+       the tied program is the one solved): with 30% it did not get past the peak-minimising
+       plan on the 4-layer GPT (1.37x the reference step where ``alpa`` alone reaches 1.013x).
     2. With repeated layers and no reuse asked for, the tied program (one decision per layer
-       position: a third of the variables on the 4-layer GPT) runs until 75% of the time; its
+       position: a third of the variables on the 4-layer GPT) runs until 80% of the time; its
        plan is a plan of the full program, which gets the rest to improve on it.
     """
-    deadline = time.perf_counter() + time_limit
-    tied = solver != "kiwi-full" and (reuse_layers or has_ties(layer_ties(problem)))
-    options = {"backend": backend, "mip_gap": 1e-4, "seed": 0, "threads": 1,
+    start = time.perf_counter()
+    at = lambda share: start + share * time_limit  # noqa: E731
+    tied = solver != "kiwi-full" and (reuse_layers or has_ties(problem.ties))
+    options = {"backend": backend, "mip_gap": STAGE_GAP, "seed": 0, "threads": 1,
                "reuse_layers": tied}
     plan = None
     if solver == "kiwi-full":             # a reduced plan is a plan of the staged program
         plan = _warm_start(problem, "kiwi", budget, backend, 0.5 * time_limit, reuse_layers)
         if plan is not None:
-            plan = _improve(problem, budget, "kiwi", plan, deadline - time.perf_counter()
-                            - 0.5 * time_limit, options)
+            plan = _improve(problem, budget, "kiwi", plan, at(0.5), options)
         return plan
     if solver == "kiwi":
         plan = _fitting_plan(problem, "alpa", budget, backend, 0.1 * time_limit, tied)
         if plan is not None:
-            remaining = deadline - time.perf_counter() - 0.7 * time_limit
-            plan = _improve(problem, budget, "alpa", plan, remaining, options)
+            plan = _improve(problem, budget, "alpa", plan, at(0.6 if reuse_layers else 0.5),
+                            options)
     if plan is None:
         plan = _fitting_plan(problem, solver, budget, backend, time_limit / 4, tied)
     if plan is not None and tied and not reuse_layers:
-        remaining = deadline - time.perf_counter() - 0.25 * time_limit
-        plan = _improve(problem, budget, solver, plan, remaining, options)
+        plan = _improve(problem, budget, solver, plan, at(0.8), options)
     return plan
 
 
-def _improve(problem, budget, solver, plan: Solution, seconds: float, options) -> Solution:
-    """``solver``'s best plan found in ``seconds`` from ``plan`` (``plan`` if none better)."""
+STAGE_GAP = 1e-3
+"""Relative gap at which a warm-start stage stops and hands its plan on."""
+
+
+def _improve(problem, budget, solver, plan: Solution, deadline: float, options) -> Solution:
+    """``solver``'s best plan found by ``deadline`` from ``plan`` (``plan`` if none better)."""
     try:
-        better = _solve(problem, budget, solver, plan, max(seconds, 1.0), **options)
+        better = _solve(problem, budget, solver, plan, deadline, **options)
     except SolverTimeoutError:
         return plan
     return better if better is not None and better.objective <= plan.objective else plan
@@ -269,7 +276,7 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
     would make the reference depend on the limit), else, or if it finds nothing, on the full
     program.
     """
-    ties = layer_ties(problem)
+    ties = problem.ties
     tied = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit / 2,
                  reuse_layers=True) if has_ties(ties) else None
     fastest = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit,
