@@ -165,7 +165,11 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
        plan is a plan of the full program, which gets the rest to improve on it.
     """
     start = time.perf_counter()
-    at = lambda share: start + share * time_limit  # noqa: E731
+
+    def at(share: float) -> float:
+        """The deadline ``share`` of the way through the time limit."""
+        return start + share * time_limit
+
     tied = solver != "kiwi-full" and (reuse_layers or has_ties(problem.ties))
     options = {"backend": backend, "mip_gap": STAGE_GAP, "seed": 0, "threads": 1,
                "reuse_layers": tied}
