@@ -74,7 +74,7 @@ def _cmd_problem(args) -> dict:
 def _cmd_plan(args) -> dict:
     import solvers
     from kiwi_jax.frontend import problem_for_step
-    from kiwi_jax.plan import resolve_budget
+    from kiwi_jax.plan import resolve_budget, solve_problem
 
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
@@ -90,7 +90,8 @@ def _cmd_plan(args) -> dict:
            **{k: round(v, 3) for k, v in timings.items()}}
     start = time.perf_counter()
     try:
-        solution = _solve_plan(problem, budget, args, options)
+        solution = solve_problem(problem, budget, args.solver, mip_gap=args.gap,
+                                 seed=args.seed, threads=args.threads, **options)
     except solvers.InfeasibleBudgetError as err:
         print(f"kiwi-jax plan: {err}", file=sys.stderr)
         out.update(status="infeasible", feasible=False,
@@ -127,18 +128,6 @@ def _cmd_plan(args) -> dict:
           f"recomputed); peak {sim.peak_bytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB "
           "budget per device")
     return out
-
-
-def _solve_plan(problem, budget, args, options):
-    """``solvers.solve``, or the Lynx solvers on the reference plan's sharding."""
-    import solvers
-    from kiwi_jax.plan import LYNX_SOLVERS, solve_lynx
-
-    if args.solver in LYNX_SOLVERS:
-        return solve_lynx(problem, budget, args.solver, backend=args.backend,
-                          time_limit=args.time_limit, mip_gap=args.gap)
-    return solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap, seed=args.seed,
-                         threads=args.threads, **options)
 
 
 def _cmd_pipeline(args) -> dict:

@@ -114,9 +114,9 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
             side_of_weight[int(i)] = "layer"
         elif problem.layer[i] >= 1:
             side_of_weight[int(i)] = "repeat"         # layer 1 repeats layer 0
-        elif problem.layer[i] < 0 and users and any(embed_fwd[u] for u in users):
+        elif any(embed_fwd[u] for u in users):
             side_of_weight[int(i)] = "embed"
-        elif problem.layer[i] < 0 and users and any(head_fwd[u] for u in users):
+        elif any(head_fwd[u] for u in users):
             side_of_weight[int(i)] = "head"
     groups = _input_groups(problem, side_of_weight)
     static = {"layer": 0, "embed": 0, "head": 0, "repeat": 0}

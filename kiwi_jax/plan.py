@@ -24,8 +24,9 @@ import solvers
 from solvers import lynx
 from solvers.simulator import simulate
 
-__all__ = ["Plan", "make_plan", "solve_plan", "solve_lynx", "plan_from_solution",
-           "resolve_budget", "predicted_comms", "attributed_comms", "by_kind", "LYNX_SOLVERS"]
+__all__ = ["Plan", "make_plan", "solve_plan", "solve_problem", "solve_lynx",
+           "plan_from_solution", "resolve_budget", "predicted_comms", "attributed_comms",
+           "by_kind", "LYNX_SOLVERS"]
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +195,17 @@ def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **optio
     problem = build.problem
     budget = resolve_budget(memory_budget, problem, **options)
     start = time.perf_counter()
-    if solver in LYNX_SOLVERS:
-        solution = solve_lynx(problem, budget, solver, **options)
-    else:
-        solution = solvers.solve(problem, budget, solver=solver, **options)
+    solution = solve_problem(problem, budget, solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
     return plan_from_solution(build, solution, budget)
+
+
+def solve_problem(problem, budget: int | None, solver: str = "kiwi", **options
+                  ) -> solvers.Solution:
+    """:func:`solvers.solve`, or for :data:`LYNX_SOLVERS` :func:`solve_lynx`."""
+    if solver in LYNX_SOLVERS:
+        return solve_lynx(problem, budget, solver, **options)
+    return solvers.solve(problem, budget, solver=solver, **options)
 
 
 def solve_lynx(problem, budget: int, solver: str = "lynx-heu", backend: str = "highs",

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlo_tools.compiled import MemoryStats, collectives, device_memory
-from kiwi_jax.interpret import tag_of
+from hlo_tools.compiled import MemoryStats, collectives, device_memory, placements
+from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.optimize import compiler_options
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
@@ -257,9 +257,6 @@ def overlap_placements(prepared) -> list:
     Returns:
       A list of :class:`hlo_tools.compiled.Placement`.
     """
-    from hlo_tools.compiled import placements
-    from kiwi_jax.interpret import OVERLAP_SCOPE
-
     hidden = prepared.plan.hidden_under or {}
     paths = prepared.traced.node_paths()
     tags = {f"/k{paths[a][0]}/" for a in hidden.values() if a in paths}

@@ -514,9 +514,9 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
     the budget; stops after ``seconds``. Returns ``(schedule, simulation)``."""
     if budget_bytes is None or not schedule:
         return schedule, sim
-    compute, comm, reshard = problem.costs_of(strategy)
-    cost = compute + comm + reshard
-    windows = np.flatnonzero((comm + reshard > 0) & (problem.phase == BACKWARD))
+    compute, comm = split_costs(problem, strategy)
+    cost = compute + comm
+    windows = np.flatnonzero((comm > 0) & (problem.phase == BACKWARD))
     operands = problem.operands()
     deadline = time.perf_counter() + seconds
     for node in sorted(schedule, key=lambda i: -cost[i]):

@@ -229,6 +229,12 @@ def _stage_policy(profile: ModelProfile, layers: int, in_flight: int, last: bool
     raise ValueError(f"unknown recomputation policy {policy!r}; expected one of {POLICIES}")
 
 
+def _in_flight(index: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``index`` holds at its peak under 1F1B: its
+    warm-up forwards plus the one in flight."""
+    return min(stages - index, micro_batches)
+
+
 def plan_stage(profile: ModelProfile, index: int, layers: int, stages: int, micro_batches: int,
                budget_bytes: int, policy: str = "lynx",
                backend: str = DEFAULT_BACKEND) -> StagePlan:
@@ -236,7 +242,7 @@ def plan_stage(profile: ModelProfile, index: int, layers: int, stages: int, micr
     and its peak (Lynx eq. 7: static + workspace + in-flight micro-batches' held activations +
     activations recomputed early in forward windows)."""
     first, last = index == 0, index == stages - 1
-    in_flight = min(stages - index, micro_batches)
+    in_flight = _in_flight(index, stages, micro_batches)
     extras = [b for b, on in ((profile.embed, first), (profile.head, last)) if on]
     static = layers * profile.layer.static_bytes + sum(b.static_bytes for b in extras)
     fixed = profile.workspace_bytes + static + in_flight * sum(b.held_bytes for b in extras)
@@ -267,16 +273,16 @@ class _Planner:
     on its position and its layer count only."""
 
     def __init__(self, profile, stages, micro_batches, budget, policy, backend):
-        self.args = (stages, micro_batches, budget, policy, backend)
-        self.profile, self.stages = profile, stages
+        self.profile, self.stages, self.micro_batches = profile, stages, micro_batches
+        self.budget, self.policy, self.backend = budget, policy, backend
         self.cache: dict[tuple[int, int], StagePlan] = {}
 
     def __call__(self, index: int, layers: int) -> StagePlan:
         key = (index, layers)
         if key not in self.cache:
-            stages, m, budget, policy, backend = self.args
-            self.cache[key] = plan_stage(self.profile, index, layers, stages, m, budget, policy,
-                                         backend)
+            self.cache[key] = plan_stage(self.profile, index, layers, self.stages,
+                                         self.micro_batches, self.budget, self.policy,
+                                         self.backend)
         return self.cache[key]
 
     def plans(self, counts) -> list[StagePlan]:
@@ -351,7 +357,7 @@ def _lynx(planner: _Planner, counts: list[int], micro_batches: int) -> list[int]
         plans = planner.plans(counts)
         times = [p.step_seconds for p in plans]
         step = _step_seconds(planner.profile, plans, micro_batches)
-        over = sum(max(0, p.peak_bytes - planner.args[2]) for p in plans)
+        over = sum(max(0, p.peak_bytes - planner.budget) for p in plans)
         return [step, over, *sorted(times, reverse=True)], times
 
     counts = list(counts)
@@ -388,7 +394,7 @@ def _dawnpiper(planner: _Planner, profile: ModelProfile, stages: int) -> list[in
         k = b - a + 1
         worst = 0.0
         for s in range(a, b + 1):
-            in_flight = min(stages - s, planner.args[1])
+            in_flight = _in_flight(s, stages, planner.micro_batches)
             mem = n / k * (lay.static_bytes + in_flight * lay.held_bytes)
             if s == 0:
                 mem += profile.embed.static_bytes + in_flight * profile.embed.held_bytes
