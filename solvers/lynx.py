@@ -607,9 +607,15 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
     hint = staged.hint(fixed, np.zeros(problem.num_nodes, np.int64),
                        recompute_at=None if warm_start is None else warm_start.recompute_at)
     result = model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, hint=hint)
+    fields = {"solver": "lynx-opt", "backend": backend, "solve_seconds": result.seconds,
+              "build_seconds": time.perf_counter() - start - result.seconds,
+              "num_vars": model.num_vars, "num_constraints": model.num_rows,
+              "budget_bytes": budget_bytes}
     if result.x is None:
         if result.status == Status.INFEASIBLE:
             raise InfeasibleBudgetError("lynx-opt", int(budget_bytes), None, searched=False)
+        if warm_start is not None:
+            return _warm_start_incumbent(problem, strategy, warm_start, fields)
         raise SolverError(f"lynx-opt: no plan ({result.status.value}) in {time_limit:.0f} s")
     schedule = staged.schedule(result.x)
     sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
@@ -617,9 +623,24 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
     if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
         status = Status.FEASIBLE
     return _solution(
-        problem, strategy, schedule, sim, solver="lynx-opt", backend=backend, status=status,
+        problem, strategy, schedule, sim, status=status,
         objective=float(result.objective) * units,
         gap=0.0 if status == Status.OPTIMAL else float(result.gap),
-        solve_seconds=result.seconds, build_seconds=time.perf_counter() - start - result.seconds,
-        num_vars=model.num_vars, num_constraints=model.num_rows, budget_bytes=budget_bytes,
-        claimed_peak_bytes=staged.claimed_peak(result.x))
+        claimed_peak_bytes=staged.claimed_peak(result.x), **fields)
+
+
+def _warm_start_incumbent(problem, strategy, warm_start: Solution, fields) -> Solution:
+    """The warm start as Lynx-OPT's answer when the backend stopped before it found (or
+    accepted: HiGHS completes a partial start only once presolve is done) a plan of its own:
+    the warm start is an incumbent, its gap unknown."""
+    schedule = warm_start.recompute_at
+    sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
+    budget = fields["budget_bytes"]
+    if budget is not None and sim.peak_bytes > budget:
+        raise SolverError(f"lynx-opt: no plan in time, and the warm start peaks at "
+                          f"{sim.peak_bytes} bytes, over the budget of {budget}")
+    log.warning("lynx-opt: the backend found no plan within its time limit; returning the "
+                "warm start (raise time_limit for a bound)")
+    return _solution(problem, strategy, schedule, sim, status=Status.TIMEOUT_WITH_INCUMBENT,
+                     objective=sim.step_seconds, gap=float("inf"),
+                     claimed_peak_bytes=sim.peak_bytes, **fields)

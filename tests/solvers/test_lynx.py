@@ -6,6 +6,8 @@ import pytest
 
 import solvers
 from solvers import lynx
+from solvers.backend import MilpResult, Model
+from solvers.solution import Status
 from solvers.lynx import LayerOps, heu_policy, policy_from_keep
 from solver_graphs import chain_problem, layered_problem
 
@@ -111,6 +113,23 @@ def test_opt_is_never_slower_than_heu_and_its_objective_is_the_simulated_step():
     assert opt.objective == pytest.approx(sim.step_seconds)
     assert sim.peak_bytes <= budget
     assert opt.objective <= heu.objective + 1e-9
+
+
+def test_opt_without_a_plan_of_its_own_answers_with_its_warm_start(monkeypatch):
+    # HiGHS completes a partial start only after presolve; a time limit that ends before that
+    # (a slow machine) leaves the backend without an incumbent although one was given.
+    p = layered_problem(layers=2, window_comm=1.5)
+    strategy = np.zeros(p.num_nodes, np.int64)
+    budget = solvers.simulate(p, strategy).peak_bytes - 100
+    heu = lynx.lynx_heu(p, budget, strategy)
+    nothing = MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"), 0.5)
+    monkeypatch.setattr(Model, "solve", lambda self, *args, **kwargs: nothing)
+    opt = lynx.lynx_opt(p, budget, strategy, warm_start=heu, time_limit=1)
+    assert opt.status == Status.TIMEOUT_WITH_INCUMBENT and opt.gap == float("inf")
+    assert opt.recompute_at == heu.recompute_at
+    assert opt.objective == pytest.approx(heu.objective) and opt.peak_bytes <= budget
+    with pytest.raises(solvers.SolverError, match="no plan"):
+        lynx.lynx_opt(p, budget, strategy, time_limit=1)
 
 
 def test_an_infeasible_budget_names_the_smallest_heu_finds():
