@@ -82,12 +82,24 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
     if isinstance(warm_start, str) and warm_start != "auto":
         raise ValueError(f"warm_start: expected a Solution, 'auto' or None, got {warm_start!r}")
     deadline = time.perf_counter() + time_limit
-    if warm_start == "auto":
+    staged = warm_start == "auto"
+    if staged:
         warm_start = None if budget_bytes is None else _warm_start(
             problem, solver, budget_bytes, backend, time_limit, reuse_layers)
     options = {"backend": backend, "mip_gap": mip_gap, "seed": seed, "threads": threads,
                "reuse_layers": reuse_layers}
-    solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **options)
+    try:
+        solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **options)
+    except SolverTimeoutError:
+        if not staged or warm_start is None:
+            raise
+        # The staged plan is a plan of this solver's program (an ``alpa`` plan is a ``kiwi``
+        # plan that keeps everything): the backend stopping before it took the start up
+        # (HiGHS completes a start after presolve) leaves it as the incumbent.
+        log.warning("%s: the backend found no plan in the time left; returning the plan of "
+                    "its warm-start stages", solver)
+        solution = dataclasses.replace(warm_start, solver=solver,
+                                       status=Status.TIMEOUT_WITH_INCUMBENT, gap=float("inf"))
     if solution is None and not search_min_feasible:
         raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:

@@ -162,6 +162,24 @@ def test_time_limit_statuses():
     check_claims(p, rushed, budget)
 
 
+def test_a_final_solve_without_a_plan_answers_with_the_warm_start_stages_plan(monkeypatch):
+    # On a slow machine the backend can stop before it has taken the start up (HiGHS completes
+    # a start after presolve): the stages' plan, which fits, is still the incumbent.
+    p = random_problem(7, layers=6, width=3)
+    budget = int(0.8 * simulate(p, solve(p, None, solver="alpa").strategy).peak_bytes)
+
+    def no_plan(*args, **kwargs):
+        raise solvers.SolverTimeoutError("no plan found within 0 s")
+
+    monkeypatch.setattr(sys.modules["solvers.solve"], "_solve", no_plan)
+    rushed = solve(p, budget, solver="kiwi", time_limit=5)
+    assert rushed.solver == "kiwi" and rushed.status == Status.TIMEOUT_WITH_INCUMBENT
+    assert rushed.gap == float("inf")
+    check_claims(p, rushed, budget)
+    with pytest.raises(solvers.SolverTimeoutError):          # no stages, nothing to fall on
+        solve(p, budget, solver="kiwi", time_limit=5, warm_start=None)
+
+
 def test_warm_start_and_seed_give_the_same_plan():
     p = random_problem(2, layers=3)
     alpa = solve(p, None, solver="alpa")
