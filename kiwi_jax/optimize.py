@@ -303,9 +303,11 @@ class OptimizedStep:
             plot_memory_timeline(self.prepared.build, self.plan, png)
         return text
 
-    def verify(self, *args, steps: int = 3):
+    def verify(self, *args, steps: int = 3, explain_memory: bool | None = None):
         """Compare the compiled step with the plan (memory, collectives) and, given concrete
-        arguments, its numerics with the plain jitted step over ``steps`` steps.
+        arguments, its numerics with the plain jitted step over ``steps`` steps;
+        ``explain_memory``: attribute the bytes at both peaks to operators (None: only when
+        the memory is off by more than the tolerance).
 
         Returns:
           A :class:`kiwi_jax.verify.VerifyReport`.
@@ -314,7 +316,8 @@ class OptimizedStep:
 
         prepared = self.lower(*args) if args else self.prepared
         return verify_prepared(prepared, self.options.mesh,
-                               functionalize(self.train_step, args) if args else None, steps)
+                               functionalize(self.train_step, args) if args else None, steps,
+                               explain_memory)
 
 
 def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,

@@ -22,7 +22,7 @@ from kiwi_jax.problem import ProblemBuild, build_problem
 from kiwi_jax.sharding import Comm, reshard_comms, spec_str
 import solvers
 from solvers import lynx
-from solvers.simulator import simulate
+from solvers.simulator import reduced_schedule, simulate
 
 __all__ = ["Plan", "make_plan", "solve_plan", "solve_problem", "solve_lynx",
            "plan_from_solution", "resolve_budget", "predicted_comms", "attributed_comms",
@@ -76,6 +76,15 @@ class Plan:
     hidden_under: dict[int, int] | None = None
     """Lynx plans: per recomputed node hidden under a collective, the node issuing it (the
     recomputation is placed beside that node when the step is applied with overlap)."""
+    recompute_at: dict[int, tuple[int, ...]] | None = None
+    """Per recomputed node, the stages (node ids) where the simulator recomputes it; None:
+    KIWI's reduced schedule of ``keep`` (before its first backward reader)."""
+
+    def schedule(self, problem) -> dict[int, tuple[int, ...]]:
+        """The recomputation schedule the plan was simulated with."""
+        if self.recompute_at is not None:
+            return self.recompute_at
+        return reduced_schedule(problem, self.keep)
 
     def summary(self) -> dict:
         return {
@@ -95,6 +104,8 @@ class Plan:
                     node_names=list(self.node_names),
                     hidden_under=None if self.hidden_under is None
                     else {str(k): v for k, v in self.hidden_under.items()},
+                    recompute_at=None if self.recompute_at is None
+                    else {str(k): list(v) for k, v in self.recompute_at.items()},
                     specs=[[list(axes) for axes in spec] for spec in self.specs])
         return json.dumps(data)
 
@@ -111,6 +122,8 @@ class Plan:
             node_names=tuple(data["node_names"]),
             hidden_under=None if data.get("hidden_under") is None
             else {int(k): int(v) for k, v in data["hidden_under"].items()},
+            recompute_at=None if data.get("recompute_at") is None
+            else {int(k): tuple(int(t) for t in v) for k, v in data["recompute_at"].items()},
             predicted_step_seconds=data["predicted_step_seconds"],
             predicted_peak_bytes=data["predicted_peak_bytes"],
             solve_seconds=data["solve_seconds"], objective=data.get("objective", 0.0),
@@ -239,7 +252,9 @@ def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: 
         node_names=problem.names, predicted_step_seconds=float(sim.step_seconds),
         predicted_peak_bytes=int(sim.peak_bytes), solve_seconds=float(solution.solve_seconds),
         objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds(),
-        hidden_under=solution.hidden_under)
+        hidden_under=solution.hidden_under,
+        recompute_at={int(i): tuple(int(t) for t in ts)
+                      for i, ts in solution.recompute_at.items()})
 
 
 def describe_node(build: ProblemBuild, plan: Plan, node_id: int) -> str:

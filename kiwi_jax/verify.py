@@ -17,11 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlo_tools.compiled import MemoryStats, collectives, device_memory, placements
+from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at_peak,
+                                placements)
+from hlo_tools.graph import Phase
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.optimize import compiler_options
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
+from solvers.simulator import live_bytes, simulate
 
 __all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "TOLERANCE"]
 
@@ -46,6 +49,15 @@ class VerifyReport:
     disagreements: tuple
     """Operators whose predicted and compiled collective bytes differ by more than the tolerance,
     largest difference first: dicts with ``operator``, ``predicted_bytes``, ``compiled_bytes``."""
+    memory_disagreements: tuple = ()
+    """When the memory is explained (by default: when it is off by more than the tolerance):
+    operators whose bytes alive at the predicted peak and at the compiled peak (XLA's
+    live-range analysis) differ by more than the tolerance and 1% of the predicted peak,
+    largest difference first; ``(arguments)`` are the step's inputs (parameters, optimizer
+    state, batch). Same dicts as ``disagreements``."""
+    compiled_live_bytes: int | None = None
+    """The sum of the buffers XLA finds alive at its peak (None: memory not explained); below
+    the compiled peak by the heap's fragmentation and the arguments no longer read."""
     steps: int = 0
     """Steps run for the numerics (0: not run)."""
     max_param_rel_diff: float | None = None
@@ -102,6 +114,8 @@ class VerifyReport:
             "compiled_collectives": self.compiled_collectives,
             "within_tolerance": self.within_tolerance,
             "disagreements": list(self.disagreements),
+            "memory_disagreements": list(self.memory_disagreements),
+            "compiled_live_bytes": self.compiled_live_bytes,
             "steps": self.steps, "max_param_rel_diff": self.max_param_rel_diff,
             "max_loss_rel_diff": self.max_loss_rel_diff,
         }
@@ -130,6 +144,11 @@ class VerifyReport:
             lines.append("operators whose collectives disagree (predicted vs compiled bytes):")
             lines += [f"  {d['operator'][:60]:60s} {d['predicted_bytes']:>12,} "
                       f"{d['compiled_bytes']:>12,}" for d in self.disagreements[:12]]
+        if self.memory_disagreements:
+            lines.append("operators whose bytes at the peak disagree (predicted vs compiled; "
+                         f"XLA's live buffers at its peak: {self.compiled_live_bytes:,} B):")
+            lines += [f"  {d['operator'][:60]:60s} {d['predicted_bytes']:>12,} "
+                      f"{d['compiled_bytes']:>12,}" for d in self.memory_disagreements[:12]]
         if self.steps:
             lines.append(f"numerics vs the plain step, {self.steps} steps: max relative "
                          f"difference {self.max_param_rel_diff:.2e} (state), "
@@ -160,21 +179,48 @@ def _operator_disagreements(prepared, attributed, carried, found) -> tuple:
     vs compiled collective bytes, where they disagree."""
     graph = prepared.traced.graph
     predicted, compiled = collections.Counter(), collections.Counter()
-    label = {}
-    for node in graph.nodes:
-        label.setdefault(tag_of(node.op_name) or "(untagged)", f"{node.opcode} {node.name}")
     for node, c in attributed:
         predicted[tag_of(graph.nodes[node].op_name) or "(untagged)"] += c.bytes
     predicted["(untagged)"] += sum(c.bytes for c in carried)
     for c in found:
         compiled[tag_of(c.op_name) or "(untagged)"] += c.bytes
     total = max(sum(predicted.values()), sum(compiled.values()), 1)
+    return _disagreeing(graph, predicted, compiled, 0.005 * total)
+
+
+def _memory_disagreements(prepared, live) -> tuple:
+    """Per equation path, bytes alive at the predicted peak (the simulator's live set) vs at
+    the compiled peak (``live``: XLA's live buffers), where they disagree."""
+    graph, plan, problem = prepared.traced.graph, prepared.plan, prepared.build.problem
+    peak = simulate(problem, plan.strategy, recompute_at=plan.schedule(problem)).peak_time
+    alive = live_bytes(problem, plan.strategy, peak, plan.schedule(problem))
+    predicted, compiled = collections.Counter(), collections.Counter()
+    for node, nbytes in zip(graph.nodes, alive):
+        if nbytes:
+            key = ARGUMENTS if node.phase == Phase.PARAM else tag_of(node.op_name)
+            predicted[key or "(untagged)"] += int(nbytes)
+    for buffer in live:
+        key = ARGUMENTS if buffer.parameter else tag_of(buffer.op_name)
+        compiled[key or "(untagged)"] += buffer.nbytes
+    return _disagreeing(graph, predicted, compiled, 0.01 * plan.predicted_peak_bytes)
+
+
+ARGUMENTS = "(arguments)"
+"""Where memory is attributed: the step's inputs (parameters, optimizer state, batch)."""
+
+
+def _disagreeing(graph, predicted, compiled, min_bytes: float) -> tuple:
+    """Rows of the equation paths whose predicted and compiled bytes differ by more than the
+    tolerance and ``min_bytes``, largest difference first."""
+    label = {}
+    for node in graph.nodes:
+        label.setdefault(tag_of(node.op_name) or "(untagged)", f"{node.opcode} {node.name}")
     rows = []
     for tag in set(predicted) | set(compiled):
         p, c = predicted[tag], compiled[tag]
-        if abs(p - c) > TOLERANCE * max(p, c) and abs(p - c) > 0.005 * total:
-            rows.append({"operator": f"k{tag} {label.get(tag, '')}".strip(),
-                         "predicted_bytes": int(p), "compiled_bytes": int(c)})
+        if abs(p - c) > TOLERANCE * max(p, c) and abs(p - c) > min_bytes:
+            name = tag if tag.startswith("(") else f"k{tag} {label.get(tag, '')}".strip()
+            rows.append({"operator": name, "predicted_bytes": int(p), "compiled_bytes": int(c)})
     rows.sort(key=lambda r: -abs(r["predicted_bytes"] - r["compiled_bytes"]))
     return tuple(rows)
 
@@ -219,8 +265,14 @@ def compare_numerics(prepared, pure, steps: int) -> tuple[float, float]:
     return max_rel_diff(opt_state, plain_state), max_rel_diff(opt_out, plain_out)
 
 
-def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
-    """Check a prepared (planned, applied, compiled) step; see the module docstring."""
+def verify_prepared(prepared, mesh, pure=None, steps: int = 3,
+                    explain_memory: bool | None = None) -> VerifyReport:
+    """Check a prepared (planned, applied, compiled) step; see the module docstring.
+
+    Args:
+      explain_memory: attribute the memory at both peaks to operators (one more compile with
+        XLA's dumps on); None: only when it is off by more than the tolerance.
+    """
     compiled = prepared.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     found = collectives(compiled.as_text(), ids)
@@ -232,20 +284,28 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
     options["xla_disable_hlo_passes"] = ",".join(
         filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
     separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(compiler_options=options)
-    numerics = {}
+    fields = {}
     if pure is not None and steps > 0:
         state_diff, loss_diff = compare_numerics(prepared, pure, steps)
-        numerics = {"steps": steps, "max_param_rel_diff": state_diff,
-                    "max_loss_rel_diff": loss_diff}
+        fields = {"steps": steps, "max_param_rel_diff": state_diff,
+                  "max_loss_rel_diff": loss_diff}
+    memory = device_memory(compiled)
+    error = (memory.peak_bytes - prepared.plan.predicted_peak_bytes) / max(
+        prepared.plan.predicted_peak_bytes, 1)
+    if explain_memory or (explain_memory is None and abs(error) > TOLERANCE):
+        live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
+                            compiler_options())
+        fields.update(memory_disagreements=_memory_disagreements(prepared, live),
+                      compiled_live_bytes=sum(b.nbytes for b in live))
     return VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
-        compiled_memory=device_memory(compiled),
+        compiled_memory=memory,
         predicted_collectives=by_kind([c for _, c in attributed] + carried),
         compiled_collectives=by_kind(found),
         disagreements=_operator_disagreements(prepared, attributed, carried,
                                               collectives(separate.as_text(), ids)),
-        **numerics)
+        **fields)
 
 
 def overlap_placements(prepared) -> list:

@@ -97,6 +97,57 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         raise ValueError(f"expected a strategy per node, shape ({n},), got {strategy.shape}")
     if recompute_at is None:
         recompute_at = reduced_schedule(problem, np.ones(n, bool) if keep is None else keep)
+    served_until = _lifetimes(problem, recompute_at)
+    operands = problem.operands()
+    compute, comm, reshard = problem.costs_of(strategy)
+    per_node = compute + comm + reshard
+    executions = np.array([len(c) for c in served_until])
+    hidden = _hidden_seconds(overlapped_recomputations(recompute_at, operands, comm + reshard),
+                             compute, comm + reshard) if overlap else 0.0
+    memory = problem.memory_of(strategy)
+
+    delta = np.zeros(n + 2, dtype=np.int64)
+    for i in range(n):
+        if problem.phase[i] == PARAM:
+            delta[0] += memory[i]
+            delta[n + 1] -= memory[i]
+            continue
+        for c, until in served_until[i].items():
+            delta[c] += memory[i]
+            delta[min(until, n) + 1] -= memory[i]
+    timeline = np.cumsum(delta)[:n]
+    return SimResult(
+        step_seconds=float(per_node @ executions) - hidden,
+        compute_seconds=float(compute.sum()), comm_seconds=float(comm.sum()),
+        reshard_seconds=float(reshard.sum()),
+        recompute_seconds=float(per_node @ (executions - 1)) - hidden,
+        peak_bytes=int(timeline.max()) if n else 0,
+        peak_time=int(np.argmax(timeline)) if n else 0, memory_timeline=timeline,
+        overlapped_recompute_seconds=hidden)
+
+
+def live_bytes(problem: ShardingProblem, strategy, stage: int,
+               recompute_at: dict[int, tuple[int, ...]] | None = None) -> np.ndarray:
+    """Per node, the bytes of its copies alive at ``stage`` under the simulator's semantics
+    (their sum is the memory timeline at ``stage``); ``recompute_at`` None: keep everything."""
+    n = problem.num_nodes
+    served_until = _lifetimes(problem, recompute_at or {})
+    memory = problem.memory_of(np.asarray(strategy, dtype=np.int64))
+    copies = np.array([1 if problem.phase[i] == PARAM else
+                       sum(c <= stage <= min(until, n) for c, until in served_until[i].items())
+                       for i in range(n)], np.int64)
+    return memory * copies
+
+
+def _lifetimes(problem: ShardingProblem, recompute_at) -> list[dict[int, int]]:
+    """Per node, ``{stage a copy is created: last stage it serves}`` (the node's own stage and
+    every recomputation; ``n`` for the step's outputs).
+
+    Raises:
+      ValueError: a recomputation of a node that is not a forward node, or outside the stages
+        after its own.
+    """
+    n = problem.num_nodes
     creations = [[i] for i in range(n)]
     for i, stages in recompute_at.items():
         if problem.phase[i] != FORWARD:
@@ -129,32 +180,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
             use(src, t)
     for i in np.flatnonzero(problem.is_output):
         use(int(i), n)
-
-    compute, comm, reshard = problem.costs_of(strategy)
-    per_node = compute + comm + reshard
-    executions = np.array([len(c) for c in creations])
-    hidden = _hidden_seconds(overlapped_recomputations(recompute_at, operands, comm + reshard),
-                             compute, comm + reshard) if overlap else 0.0
-    memory = problem.memory_of(strategy)
-
-    delta = np.zeros(n + 2, dtype=np.int64)
-    for i in range(n):
-        if problem.phase[i] == PARAM:
-            delta[0] += memory[i]
-            delta[n + 1] -= memory[i]
-            continue
-        for c, until in served_until[i].items():
-            delta[c] += memory[i]
-            delta[min(until, n) + 1] -= memory[i]
-    timeline = np.cumsum(delta)[:n]
-    return SimResult(
-        step_seconds=float(per_node @ executions) - hidden,
-        compute_seconds=float(compute.sum()), comm_seconds=float(comm.sum()),
-        reshard_seconds=float(reshard.sum()),
-        recompute_seconds=float(per_node @ (executions - 1)) - hidden,
-        peak_bytes=int(timeline.max()) if n else 0,
-        peak_time=int(np.argmax(timeline)) if n else 0, memory_timeline=timeline,
-        overlapped_recompute_seconds=hidden)
+    return served_until
 
 
 def overlapped_recomputations(recompute_at: dict[int, tuple[int, ...]], operands,

@@ -13,6 +13,7 @@ from hlo_tools.compiled import (
     HloParseError,
     collectives,
     device_memory,
+    live_at_peak,
     parse_replica_groups,
     shape_bytes,
     summarize,
@@ -206,3 +207,19 @@ def test_device_memory_with_donation(mesh24):
     stats = device_memory(fn.lower(jnp.ones((8, 16))).compile())
     assert stats.alias_bytes == 4 * 4 * F32
     assert stats.peak_bytes == stats.argument_bytes + stats.output_bytes + stats.temp_bytes - stats.alias_bytes
+
+
+def test_live_at_peak_names_the_buffers_and_their_operators():
+    def f(x, w):
+        h = jnp.tanh(x @ w)
+        return (h @ w.T).sum()
+
+    lowered = jax.jit(jax.grad(f, argnums=1)).lower(jnp.ones((64, 128)), jnp.ones((128, 128)))
+    live = live_at_peak(lowered)
+    stats = device_memory(lowered.compile())
+    total = sum(b.nbytes for b in live)
+    assert 0.5 * stats.peak_bytes <= total <= stats.peak_bytes
+    assert any(b.parameter and b.nbytes == 128 * 128 * F32 for b in live)        # w
+    computed = [b for b in live if not b.parameter]
+    assert computed and all(b.nbytes > 0 for b in computed)
+    assert any("dot_general" in b.op_name or "transpose" in b.op_name for b in computed)

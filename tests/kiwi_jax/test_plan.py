@@ -113,4 +113,6 @@ def test_make_plan_of_a_traced_step_round_trips_through_json():
     assert again.keep.tolist() == plan.keep.tolist()
     assert again.specs == plan.specs
     assert again.summary() == plan.summary()
+    assert again.recompute_at == plan.recompute_at
+    assert again.schedule(built.problem) == solvers.reduced_schedule(built.problem, plan.keep)
     assert "keep" in describe_node(built, plan, int(built.problem.leaders[-1]))

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from solvers import reduced_schedule, simulate
-from solver_graphs import chain_problem
+from solvers.simulator import live_bytes
+from solver_graphs import chain_problem, random_problem
 
 
 def test_all_kept_timeline():
@@ -35,6 +36,22 @@ def test_schedule_with_a_chain_and_two_recomputations():
     sim = simulate(p, np.zeros(p.num_nodes, int), recompute_at={1: (5,), 2: (5,)})
     assert sim.memory_timeline.tolist() == [10, 110, 210, 111, 12, 312, 311, 121]
     assert sim.step_seconds == pytest.approx(13.0 + 1.0 + 5.0)
+
+
+def test_live_bytes_name_what_the_timeline_holds():
+    p = chain_problem()
+    strategy = np.zeros(p.num_nodes, int)
+    at_peak = live_bytes(p, strategy, 5, {1: (5,), 2: (5,)})
+    # stage 5 (gb): p 10, a and b recomputed 100 each, c 1, gc 1, gb 100
+    assert at_peak.sum() == 312
+    assert at_peak[1] == 100 and at_peak[2] == 100         # a and b again, as recomputed
+    for seed in range(5):
+        q = random_problem(seed, layers=3)
+        plan = reduced_schedule(q, np.arange(q.num_nodes) % 3 != 0)
+        sim = simulate(q, np.zeros(q.num_nodes, int), recompute_at=plan)
+        for stage in range(q.num_nodes):
+            assert live_bytes(q, np.zeros(q.num_nodes, int), stage, plan).sum() == \
+                sim.memory_timeline[stage]
 
 
 def test_recomputation_must_come_after_the_value():
