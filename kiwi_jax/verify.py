@@ -33,6 +33,8 @@ UNCOMBINED = ("all-reduce-combiner", "all-gather-combiner", "reduce-scatter-comb
 
 TOLERANCE = 0.10
 """Relative tolerance of predicted vs compiled memory and collective bytes."""
+ARGUMENTS = "(arguments)"
+"""The row memory of the step's inputs (parameters, optimizer state, batch) is attributed to."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +194,9 @@ def _memory_disagreements(prepared, live) -> tuple:
     """Per equation path, bytes alive at the predicted peak (the simulator's live set) vs at
     the compiled peak (``live``: XLA's live buffers), where they disagree."""
     graph, plan, problem = prepared.traced.graph, prepared.plan, prepared.build.problem
-    peak = simulate(problem, plan.strategy, recompute_at=plan.schedule(problem)).peak_time
-    alive = live_bytes(problem, plan.strategy, peak, plan.schedule(problem))
+    schedule = plan.schedule(problem)
+    peak = simulate(problem, plan.strategy, recompute_at=schedule).peak_time
+    alive = live_bytes(problem, plan.strategy, peak, schedule)
     predicted, compiled = collections.Counter(), collections.Counter()
     for node, nbytes in zip(graph.nodes, alive):
         if nbytes:
@@ -203,10 +206,6 @@ def _memory_disagreements(prepared, live) -> tuple:
         key = ARGUMENTS if buffer.parameter else tag_of(buffer.op_name)
         compiled[key or "(untagged)"] += buffer.nbytes
     return _disagreeing(graph, predicted, compiled, 0.01 * plan.predicted_peak_bytes)
-
-
-ARGUMENTS = "(arguments)"
-"""Where memory is attributed: the step's inputs (parameters, optimizer state, batch)."""
 
 
 def _disagreeing(graph, predicted, compiled, min_bytes: float) -> tuple:
@@ -289,23 +288,22 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3,
         state_diff, loss_diff = compare_numerics(prepared, pure, steps)
         fields = {"steps": steps, "max_param_rel_diff": state_diff,
                   "max_loss_rel_diff": loss_diff}
-    memory = device_memory(compiled)
-    error = (memory.peak_bytes - prepared.plan.predicted_peak_bytes) / max(
-        prepared.plan.predicted_peak_bytes, 1)
-    if explain_memory or (explain_memory is None and abs(error) > TOLERANCE):
-        live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
-                            compiler_options())
-        fields.update(memory_disagreements=_memory_disagreements(prepared, live),
-                      compiled_live_bytes=sum(b.nbytes for b in live))
-    return VerifyReport(
+    report = VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
-        compiled_memory=memory,
+        compiled_memory=device_memory(compiled),
         predicted_collectives=by_kind([c for _, c in attributed] + carried),
         compiled_collectives=by_kind(found),
         disagreements=_operator_disagreements(prepared, attributed, carried,
                                               collectives(separate.as_text(), ids)),
         **fields)
+    if explain_memory or (explain_memory is None and abs(report.memory_error) > TOLERANCE):
+        live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
+                            compiler_options())
+        report = dataclasses.replace(
+            report, memory_disagreements=_memory_disagreements(prepared, live),
+            compiled_live_bytes=sum(b.nbytes for b in live))
+    return report
 
 
 def overlap_placements(prepared) -> list:
