@@ -511,7 +511,9 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
     which overestimates the backward peaks of the whole step, and places recomputations by layer.
     Costliest recomputation first, each is kept again, or moved earlier into the stage of a
     backward collective (after its recomputed operands), whichever makes the step fastest within
-    the budget; stops after ``seconds``. Returns ``(schedule, simulation)``."""
+    the budget; then swaps: a recomputed value kept again and a kept one (cheapest first)
+    recomputed under a backward collective instead. Stops after ``seconds``. Returns
+    ``(schedule, simulation)``."""
     if budget_bytes is None or not schedule:
         return schedule, sim
     compute, comm = split_costs(problem, strategy)
@@ -519,18 +521,43 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
     windows = np.flatnonzero((comm > 0) & (problem.phase == BACKWARD))
     operands = problem.operands()
     deadline = time.perf_counter() + seconds
+
+    def stages_for(node, schedule) -> list[int]:
+        """Backward collectives' stages where ``node`` can be recomputed: after its last
+        forward reader and its recomputed operands, before its first backward reader."""
+        ready = max([problem.fwd_last_use[node]] + [schedule[o][0] for o in operands[node]
+                                                     if o in schedule])
+        return [int(t) for t in windows if ready < t < problem.first_bwd_use[node]]
+
+    def better(trial) -> bool:
+        nonlocal schedule, sim
+        result = simulate(problem, strategy, recompute_at=trial, overlap=True)
+        if result.step_seconds < sim.step_seconds and result.peak_bytes <= budget_bytes:
+            schedule, sim = trial, result
+            return True
+        return False
+
     for node in sorted(schedule, key=lambda i: -cost[i]):
         if time.perf_counter() > deadline:
             break
-        ready = max([problem.fwd_last_use[node]] + [schedule[o][0] for o in operands[node]
-                                                     if o in schedule])
-        for stage in [None] + [int(t) for t in windows if ready < t < schedule[node][0]]:
+        for stage in [None] + [t for t in stages_for(node, schedule) if t < schedule[node][0]]:
             trial = {i: stages for i, stages in schedule.items() if i != node}
             if stage is not None:
                 trial[node] = (stage,)
-            result = simulate(problem, strategy, recompute_at=trial, overlap=True)
-            if result.step_seconds < sim.step_seconds and result.peak_bytes <= budget_bytes:
-                schedule, sim = trial, result
+            better(trial)
+    # Swaps: keep a recomputed value again and drop a kept one instead, recomputed under a
+    # backward collective (Lynx-OPT's plans differ from HEU's mostly in which value of a layer
+    # is dropped and how early it is recomputed).
+    kept = [int(j) for j in np.flatnonzero(problem.recomputable) if int(j) not in schedule]
+    for node in sorted(schedule, key=lambda i: -cost[i]):
+        for other in sorted(kept, key=lambda j: cost[j]):
+            if time.perf_counter() > deadline:
+                return schedule, sim
+            if node not in schedule or other in schedule:
+                continue
+            rest = {i: stages for i, stages in schedule.items() if i != node}
+            if any(better({**rest, other: (t,)}) for t in stages_for(other, rest)):
+                kept = [j for j in kept if j != other] + [node]
     return schedule, sim
 
 
