@@ -87,6 +87,12 @@ class Model:
         """``lo <= expr <= hi``."""
         self._rows.append((expr.indices, expr.coefs, lo - expr.constant, hi - expr.constant))
 
+    def add_terms(self, indices: list[int], coefs: list[float], lo: float = -np.inf,
+                  hi: float = np.inf) -> None:
+        """``lo <= sum(coefs[k] * x[indices[k]]) <= hi``: :meth:`add_row` without building an
+        :class:`Expr` (for programs with hundreds of thousands of rows)."""
+        self._rows.append((np.array(indices, np.int64), np.array(coefs, float), lo, hi))
+
     def minimize(self, expr: Expr) -> None:
         self.objective = expr
 

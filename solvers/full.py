@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from solvers.joint import Builder, JointModel
-from solvers.linexpr import Expr, const, total, var
+from solvers.linexpr import Expr, total, var
 from solvers.problem import PHASES, ShardingProblem
 
 __all__ = ["FullModel", "build_full"]
@@ -131,37 +131,43 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     if recompute_stages is not None:
         reads_forward |= np.asarray(recompute_stages, bool) & ~forward
 
-    a: dict[tuple[int, int], int] = {}
-    pres: dict[tuple[int, int], int] = {}
     droppable = forward & ~p.is_output
-    for i in np.flatnonzero(droppable):
-        i = int(i)
-        for t in range(int(p.fwd_last_use[i]) + 1, int(horizon[i]) + 1):
-            pres[t, i] = model.add_var()
-            if reads_forward[t]:
-                a[t, i] = model.add_var()
+    keys = [(t, int(i)) for i in np.flatnonzero(droppable)
+            for t in range(int(p.fwd_last_use[i]) + 1, int(horizon[i]) + 1)]
+    recomputing = [key for key in keys if reads_forward[key[0]]]
+    pres = dict(zip(keys, model.add_vars(len(keys)).tolist()))       # one call: 600k+ vars
+    a = dict(zip(recomputing, model.add_vars(len(recomputing)).tolist()))
+
+    def held(t: int, i: int) -> tuple[list[int], float]:
+        """1 when i is resident or recomputed in stage t, as ``(variables, constant)``: the sum
+        of the variables plus the constant (rows are added from these without Exprs)."""
+        if not droppable[i] or t <= p.fwd_last_use[i]:
+            return [], 1.0
+        if (t, i) not in pres:
+            return [], 0.0
+        return [pres[t, i]] + ([a[t, i]] if (t, i) in a else []), 0.0
 
     def available(t: int, i: int) -> Expr:
-        """1 when i is resident or recomputed in stage t."""
-        if not droppable[i] or t <= p.fwd_last_use[i]:
-            return const(1.0)
-        if (t, i) not in pres:
-            return const(0.0)
-        return var(pres[t, i]) + (var(a[t, i]) if (t, i) in a else const(0.0))
+        """:func:`held` as an expression."""
+        indices, constant = held(t, i)
+        return Expr(np.array(indices, np.int64), np.ones(len(indices)), constant)
 
     for (t, i), index in pres.items():                                   # eq. 13
         if t - 1 > p.fwd_last_use[i]:
-            model.add_row(var(index) - available(t - 1, i), -np.inf, 0.0)
+            before, constant = held(t - 1, i)
+            model.add_terms([index] + before, [1.0] + [-1.0] * len(before), -np.inf, constant)
         if (t, i) in a:
-            model.add_row(var(index) + var(a[t, i]), -np.inf, 1.0)
+            model.add_terms([index, a[t, i]], [1.0, 1.0], -np.inf, 1.0)
     for t in np.flatnonzero(~forward & (p.phase != PARAM)):               # eq. 12
         for i in operands[int(t)]:
             if droppable[i]:
-                model.add_row(available(int(t), i), 1.0, np.inf)
+                now, constant = held(int(t), i)
+                model.add_terms(now, [1.0] * len(now), 1.0 - constant, np.inf)
     for (t, j), index in a.items():
         for i in operands[j]:
             if droppable[i]:
-                model.add_row(available(t, i) - var(index), 0.0, np.inf)
+                now, constant = held(t, i)
+                model.add_terms(now + [index], [1.0] * len(now) + [-1.0], -constant, np.inf)
 
     objective = [] if minimize_peak else list(cost)
     ub = np.ones(model.num_vars)
