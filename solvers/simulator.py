@@ -97,8 +97,8 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         raise ValueError(f"expected a strategy per node, shape ({n},), got {strategy.shape}")
     if recompute_at is None:
         recompute_at = reduced_schedule(problem, np.ones(n, bool) if keep is None else keep)
-    served_until = _lifetimes(problem, recompute_at)
     operands = problem.operands()
+    served_until = _lifetimes(problem, recompute_at, operands)
     compute, comm, reshard = problem.costs_of(strategy)
     per_node = compute + comm + reshard
     executions = np.array([len(c) for c in served_until])
@@ -131,7 +131,7 @@ def live_bytes(problem: ShardingProblem, strategy, stage: int,
     """Per node, the bytes of its copies alive at ``stage`` under the simulator's semantics
     (their sum is the memory timeline at ``stage``); ``recompute_at`` None: keep everything."""
     n = problem.num_nodes
-    served_until = _lifetimes(problem, recompute_at or {})
+    served_until = _lifetimes(problem, recompute_at or {}, problem.operands())
     memory = problem.memory_of(np.asarray(strategy, dtype=np.int64))
     copies = np.array([1 if problem.phase[i] == PARAM else
                        sum(c <= stage <= min(until, n) for c, until in served_until[i].items())
@@ -139,9 +139,9 @@ def live_bytes(problem: ShardingProblem, strategy, stage: int,
     return memory * copies
 
 
-def _lifetimes(problem: ShardingProblem, recompute_at) -> list[dict[int, int]]:
+def _lifetimes(problem: ShardingProblem, recompute_at, operands) -> list[dict[int, int]]:
     """Per node, ``{stage a copy is created: last stage it serves}`` (the node's own stage and
-    every recomputation; ``n`` for the step's outputs).
+    every recomputation; ``n`` for the step's outputs); ``operands``: ``problem.operands()``.
 
     Raises:
       ValueError: a recomputation of a node that is not a forward node, or outside the stages
@@ -159,7 +159,6 @@ def _lifetimes(problem: ShardingProblem, recompute_at) -> list[dict[int, int]]:
                              f"recomputations run after stage {i} and before stage {n}")
         creations[i] = sorted({i, *stages})
 
-    operands = problem.operands()
     served_until = [{c: c for c in cs} for cs in creations]
     recomputed_in: dict[int, list[int]] = {}
     for i in sorted(recompute_at):
