@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from solvers.problem import ShardingProblem
+from solvers.problem import PHASES, ShardingProblem
 
-__all__ = ["make_problem", "layered_problem"]
+__all__ = ["make_problem", "layered_problem", "PARAM", "FORWARD", "BACKWARD", "OPTIMIZER"]
 
-PARAM, FORWARD, BACKWARD, OPTIMIZER = range(4)
+PARAM, FORWARD, BACKWARD, OPTIMIZER = (PHASES.index(p) for p in PHASES)
 
 
 def make_problem(phases, edges, compute, memory, comm=None, resharding=None, outputs=(),
@@ -68,7 +68,6 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
         resharding=tuple(np.array(r, float) for r in resharding), z=z, live=live,
         fwd_last_use=fwd_last, first_bwd_use=first_bwd, is_output=is_output,
         mesh_shape=mesh_shape, flops=np.ones(n), peak_flops=1e12)
-
 
 
 def layered_problem(layers: int = 2, window_comm: float = 1.5, seed: int | None = None,

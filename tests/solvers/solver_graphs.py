@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from solvers.problem import ShardingProblem
-from solvers.synthetic import layered_problem, make_problem  # noqa: F401 (re-exported)
-
-PARAM, FORWARD, BACKWARD, OPTIMIZER = range(4)
+from solvers.synthetic import (BACKWARD, FORWARD, OPTIMIZER, PARAM,  # noqa: F401 (re-exported)
+                               layered_problem, make_problem)
 
 
 def chain_problem() -> ShardingProblem:
