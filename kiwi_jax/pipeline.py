@@ -129,16 +129,19 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     def held(mask) -> int:
         return int(memory[mask & problem.z.astype(bool)].sum())
 
+    def share(static_bytes) -> float:
+        """Optimizer seconds of a part, in proportion to its static bytes."""
+        return optimizer * static_bytes / max(total_static, 1)
+
     def block(fwd, bwd, static_bytes, held_bytes) -> Block:
         return Block(forward_seconds=float(cost[fwd].sum()),
                      backward_seconds=float(cost[bwd].sum()),
-                     optimizer_seconds=optimizer * static_bytes / max(total_static, 1),
+                     optimizer_seconds=share(static_bytes),
                      static_bytes=int(static_bytes), held_bytes=int(held_bytes))
 
     layer_held = ops.kept_bytes(ops.needed | ops.pinned)
-    layer = Block(ops.forward_seconds, ops.backward_seconds,
-                  optimizer * static["layer"] / max(total_static, 1), static["layer"],
-                  layer_held)
+    layer = Block(ops.forward_seconds, ops.backward_seconds, share(static["layer"]),
+                  static["layer"], layer_held)
     embed = block(embed_fwd, embed_bwd, static["embed"], held(embed_fwd))
     head = block(head_fwd, head_bwd, static["head"], held(head_fwd))
     inputs = int(memory[phase == PARAM].sum())

@@ -135,7 +135,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     keys = [(t, int(i)) for i in np.flatnonzero(droppable)
             for t in range(int(p.fwd_last_use[i]) + 1, int(horizon[i]) + 1)]
     recomputing = [key for key in keys if reads_forward[key[0]]]
-    pres = dict(zip(keys, model.add_vars(len(keys)).tolist()))       # one call: 600k+ vars
+    pres = dict(zip(keys, model.add_vars(len(keys)).tolist()))   # in one call: 643k on a GPT
     a = dict(zip(recomputing, model.add_vars(len(recomputing)).tolist()))
 
     def held(t: int, i: int) -> tuple[list[int], float]:

@@ -317,23 +317,22 @@ def _balanced_counts(per_layer: float, first: float, last: float, layers: int,
     return best_counts
 
 
-def _step_seconds(profile: ModelProfile, plans: list[StagePlan], micro_batches: int) -> float:
+def _step_seconds(planner: _Planner, plans: list[StagePlan]) -> float:
     """The simulated 1F1B step of these stage plans (infinite when a stage does not fit)."""
     if not all(p.fits for p in plans):
         return math.inf
     return simulate_1f1b([p.forward_seconds for p in plans], [p.backward_seconds for p in plans],
-                         profile.transfer_seconds(), micro_batches,
+                         planner.profile.transfer_seconds(), planner.micro_batches,
                          [p.optimizer_seconds for p in plans])
 
 
-def _result(method, policy, planner: _Planner, counts, micro_batches, start) -> PipelineResult:
+def _result(method, policy, planner: _Planner, counts, start) -> PipelineResult:
     plans = planner.plans(counts)
-    fits = all(p.fits for p in plans)
-    seconds = _step_seconds(planner.profile, plans, micro_batches)
-    samples = micro_batches * planner.profile.micro_batch
+    seconds = _step_seconds(planner, plans)
+    samples = planner.micro_batches * planner.profile.micro_batch
     return PipelineResult(method=method, policy=policy, stages=tuple(plans),
-                          micro_batches=micro_batches, step_seconds=seconds,
-                          throughput=samples / seconds if fits else 0.0,
+                          micro_batches=planner.micro_batches, step_seconds=seconds,
+                          throughput=samples / seconds,         # 0 when a stage does not fit
                           search_seconds=time.perf_counter() - start,
                           policies_solved=len(planner.cache))
 
@@ -343,7 +342,7 @@ def _even(profile: ModelProfile, stages: int) -> list[int]:
                             profile.head.static_bytes, profile.layers, stages)
 
 
-def _lynx(planner: _Planner, counts: list[int], micro_batches: int) -> list[int]:
+def _lynx(planner: _Planner, counts: list[int]) -> list[int]:
     """Lynx sec. 5: move a layer from the slowest stage to the fastest while that helps.
 
     "Helps" is judged by the simulated 1F1B step, then by the bytes stages need beyond the
@@ -356,7 +355,7 @@ def _lynx(planner: _Planner, counts: list[int], micro_batches: int) -> list[int]
     def score(counts):
         plans = planner.plans(counts)
         times = [p.step_seconds for p in plans]
-        step = _step_seconds(planner.profile, plans, micro_batches)
+        step = _step_seconds(planner, plans)
         over = sum(max(0, p.peak_bytes - planner.budget) for p in plans)
         return [step, over, *sorted(times, reverse=True)], times
 
@@ -463,7 +462,7 @@ def partition(profile: ModelProfile, stages: int, micro_batches: int, budget_byt
     planner = _Planner(profile, stages, micro_batches, budget_bytes, policy, backend)
     counts = _even(profile, stages)
     if method == "lynx":
-        counts = _lynx(planner, counts, micro_batches)
+        counts = _lynx(planner, counts)
     elif method == "dawnpiper":
         counts = _dawnpiper(planner, profile, stages)
-    return _result(method, policy, planner, counts, micro_batches, start)
+    return _result(method, policy, planner, counts, start)
