@@ -93,13 +93,16 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
     except SolverTimeoutError:
         if not staged or warm_start is None:
             raise
-        # The staged plan is a plan of this solver's program (an ``alpa`` plan is a ``kiwi``
-        # plan that keeps everything): the backend stopping before it took the start up
-        # (HiGHS completes a start after presolve) leaves it as the incumbent.
         log.warning("%s: the backend found no plan in the time left; returning the plan of "
                     "its warm-start stages", solver)
-        solution = dataclasses.replace(warm_start, solver=solver,
-                                       status=Status.TIMEOUT_WITH_INCUMBENT, gap=float("inf"))
+        solution = _incumbent(warm_start, solver, None)
+    else:
+        if staged and warm_start is not None and solution is not None \
+                and warm_start.objective < solution.objective * (1 - 1e-9):
+            log.warning("%s: the backend stopped at a plan slower than its warm start's "
+                        "(%.6g s > %.6g s); returning the warm start", solver,
+                        solution.objective, warm_start.objective)
+            solution = _incumbent(warm_start, solver, solution)
     if solution is None and not search_min_feasible:
         raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:
@@ -107,6 +110,24 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
                                         time_limit=time_limit, reuse_layers=reuse_layers)
         raise InfeasibleBudgetError(solver, int(budget_bytes), high, low)
     return solution
+
+
+def _incumbent(warm_start: Solution, solver: str, final: Solution | None) -> Solution:
+    """The staged warm start as ``solver``'s answer, when the final backend call ended without a
+    plan (``final`` None) or with a slower one. It is a plan of ``solver``'s program (an
+    ``alpa`` plan is a ``kiwi`` plan that keeps everything); HiGHS completes a start only after
+    presolve and may stop before it takes it up. Its status is the final call's, its gap is
+    against the final call's bound (inf without one), its sizes and seconds the final call's."""
+    if final is None:
+        return dataclasses.replace(warm_start, solver=solver,
+                                   status=Status.TIMEOUT_WITH_INCUMBENT, gap=float("inf"))
+    bound = final.objective * (1 - final.gap) if np.isfinite(final.gap) else None
+    gap = float("inf") if bound is None else max(1 - bound / warm_start.objective, 0.0)
+    return dataclasses.replace(
+        warm_start, solver=solver, status=final.status,
+        gap=0.0 if final.status == Status.OPTIMAL else gap,
+        solve_seconds=final.solve_seconds, build_seconds=final.build_seconds,
+        num_vars=final.num_vars, num_constraints=final.num_constraints)
 
 
 def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,

@@ -1,5 +1,6 @@
 """Solvers on tiny graphs with hand-worked optima, and properties on random graphs."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -184,6 +185,25 @@ def test_a_final_solve_without_a_plan_answers_with_the_warm_start_stages_plan(mo
     check_claims(p, rushed, budget)
     with pytest.raises(solvers.SolverTimeoutError):          # no stages, nothing to fall on
         solve(p, budget, solver="kiwi", time_limit=5, warm_start=None)
+
+
+def test_a_final_plan_slower_than_the_warm_start_gives_way_to_it(monkeypatch):
+    # HiGHS may stop before it has taken the start up and answer with a slower plan of its own.
+    p = random_problem(7, layers=6, width=3)
+    budget = int(0.8 * simulate(p, solve(p, None, solver="alpa").strategy).peak_bytes)
+    best = solve(p, budget, solver="kiwi", warm_start=None)
+    slower = solve(p, budget, solver="alpa+full", warm_start=None)
+    assert slower.objective > best.objective
+    stopped = dataclasses.replace(slower, solver="kiwi", status=Status.TIMEOUT_WITH_INCUMBENT,
+                                  gap=0.5, num_vars=123)
+    module = sys.modules["solvers.solve"]
+    monkeypatch.setattr(module, "_warm_start", lambda *args, **kwargs: best)
+    monkeypatch.setattr(module, "_solve", lambda *args, **kwargs: stopped)
+    answer = solve(p, budget, solver="kiwi", time_limit=5)
+    assert np.array_equal(answer.strategy, best.strategy) and answer.objective == best.objective
+    assert answer.status == Status.TIMEOUT_WITH_INCUMBENT and answer.num_vars == 123
+    assert answer.gap == pytest.approx(1 - 0.5 * slower.objective / best.objective)
+    check_claims(p, answer, budget)
 
 
 def test_warm_start_and_seed_give_the_same_plan():
