@@ -126,3 +126,6 @@ def test_lynx_pipeline_quick(results, capsys):
         rows["even", "lynx"]["simulated_throughput"] - TOL
     opt = printed["heu_vs_opt"][0]
     assert opt["feasible"] and opt["opt_step_seconds"] <= opt["heu_step_seconds"] * (1 + TOL)
+    # keeping everything is a bound on OPT, not above its plan
+    assert opt["keep_all_step_seconds"] <= opt["opt_step_seconds"] * (1 + TOL)
+    assert opt["heu_throughput_vs_bound"] <= opt["heu_throughput_vs_opt"] + TOL
