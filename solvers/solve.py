@@ -96,13 +96,12 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
         log.warning("%s: the backend found no plan in the time left; returning the plan of "
                     "its warm-start stages", solver)
         solution = _incumbent(warm_start, solver, None)
-    else:
-        if staged and warm_start is not None and solution is not None \
-                and warm_start.objective < solution.objective * (1 - 1e-9):
-            log.warning("%s: the backend stopped at a plan slower than its warm start's "
-                        "(%.6g s > %.6g s); returning the warm start", solver,
-                        solution.objective, warm_start.objective)
-            solution = _incumbent(warm_start, solver, solution)
+    if staged and warm_start is not None and solution is not None \
+            and warm_start.objective < solution.objective * (1 - 1e-9):
+        log.warning("%s: the backend stopped at a plan slower than its warm start's "
+                    "(%.6g s > %.6g s); returning the warm start", solver,
+                    solution.objective, warm_start.objective)
+        solution = _incumbent(warm_start, solver, solution)
     if solution is None and not search_min_feasible:
         raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:
