@@ -189,9 +189,12 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
     0. ``kiwi-full`` starts from ``kiwi``'s plan (half the time).
     1. ``kiwi`` starts from ``alpa``'s plan (a plan without recomputation is a ``kiwi`` plan,
        so ``kiwi`` never ends slower than the ``alpa`` plan it was given), which itself starts
-       from the peak-minimising program (10%); ``alpa`` runs until 50% of the time (60% when
-       the tied program is the one solved): with 30% it did not get past the peak-minimising
-       plan on the 4-layer GPT (1.37x the reference step where ``alpa`` alone reaches 1.013x).
+       from the peak-minimising program (up to 25%: on the 20-layer encoder it needs 2.2-3.2 s;
+       with 10% of 30 s it ran out and left ``kiwi`` its own peak-minimising plan, 1.46x the
+       reference step where ``alpa``'s reaches 1.003x); ``alpa`` runs until 50% of the time
+       (60% when the tied program is the one solved): with 30% it did not get past the
+       peak-minimising plan on the 4-layer GPT (1.37x the reference step where ``alpa`` alone
+       reaches 1.013x).
     2. With repeated layers and no reuse asked for, the tied program (one decision per layer
        position: a third of the variables on the 4-layer GPT) runs until 80% of the time; its
        plan is a plan of the full program, which gets the rest to improve on it.
@@ -212,7 +215,7 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
             plan = _improve(problem, budget, "kiwi", plan, at(0.5), options)
         return plan
     if solver == "kiwi":
-        plan = _fitting_plan(problem, "alpa", budget, backend, 0.1 * time_limit, tied)
+        plan = _fitting_plan(problem, "alpa", budget, backend, 0.25 * time_limit, tied)
         if plan is not None:
             plan = _improve(problem, budget, "alpa", plan, at(0.6 if reuse_layers else 0.5),
                             options)
