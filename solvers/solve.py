@@ -192,9 +192,10 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
        from the peak-minimising program (up to 25%: on the 20-layer encoder it needs 2.2-3.2 s;
        with 10% of 30 s it ran out and left ``kiwi`` its own peak-minimising plan, 1.46x the
        reference step where ``alpa``'s reaches 1.003x); ``alpa`` runs until 50% of the time
-       (60% when the tied program is the one solved): with 30% it did not get past the
+       (85% when the tied program is the one solved): with 30% it did not get past the
        peak-minimising plan on the 4-layer GPT (1.37x the reference step where ``alpa`` alone
-       reaches 1.013x).
+       reaches 1.013x); tied, with 60% of 27 s, neither on the 20-layer encoder at 80% (1.39x;
+       1.013x with 85%, while the 4-layer models lost nothing).
     2. With repeated layers and no reuse asked for, the tied program (one decision per layer
        position: a third of the variables on the 4-layer GPT) runs until 80% of the time; its
        plan is a plan of the full program, which gets the rest to improve on it.
@@ -217,7 +218,7 @@ def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> S
     if solver == "kiwi":
         plan = _fitting_plan(problem, "alpa", budget, backend, 0.25 * time_limit, tied)
         if plan is not None:
-            plan = _improve(problem, budget, "alpa", plan, at(0.6 if reuse_layers else 0.5),
+            plan = _improve(problem, budget, "alpa", plan, at(0.85 if reuse_layers else 0.5),
                             options)
     if plan is None:
         plan = _fitting_plan(problem, solver, budget, backend, time_limit / 4, tied)
