@@ -686,7 +686,7 @@ def _warm_start_incumbent(problem, strategy, warm_start: Solution, keep_all: flo
         raise SolverError(f"lynx-opt: no plan in time, and the warm start peaks at "
                           f"{sim.peak_bytes} bytes, over the budget of {budget}")
     log.warning("lynx-opt: the backend found no plan within its time limit; returning the "
-                "warm start (raise time_limit for a bound)")
+                "warm start (raise time_limit for a plan and a bound of its own)")
     return _solution(problem, strategy, schedule, sim, status=Status.TIMEOUT_WITH_INCUMBENT,
                      objective=sim.step_seconds,
                      gap=_gap(sim.step_seconds, float("inf"), keep_all),
