@@ -37,7 +37,7 @@ from solvers.full import build_full
 from solvers.linexpr import Expr, const, total, var
 from solvers.problem import PHASES, ShardingProblem
 from solvers.simulator import overlapped_recomputations, simulate
-from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status
+from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status, gap_to
 
 __all__ = ["LayerOps", "LayerPolicy", "layer_ops", "heu_policy", "policy_from_keep", "lynx_heu",
            "lynx_opt", "split_costs", "fixed_strategy"]
@@ -670,8 +670,7 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
 def _gap(objective: float, gap: float, keep_all: float) -> float:
     """The relative gap against the larger of the backend's bound (``gap`` from
     ``objective``; inf or nan: none) and the step that keeps everything."""
-    bound = max(objective * (1 - gap) if np.isfinite(gap) else 0.0, keep_all)
-    return max(1 - bound / objective, 0.0) if objective > 0 else 0.0
+    return gap_to(objective, max(objective * (1 - gap) if np.isfinite(gap) else 0.0, keep_all))
 
 
 def _warm_start_incumbent(problem, strategy, warm_start: Solution, keep_all: float,

@@ -8,7 +8,7 @@ import enum
 import numpy as np
 
 __all__ = ["Status", "Solution", "InfeasibleBudgetError", "SolverUnavailableError",
-           "SolverTimeoutError", "SolverError"]
+           "SolverTimeoutError", "SolverError", "gap_to"]
 
 GIB = 2**30
 
@@ -79,6 +79,11 @@ class Solution:
         return self.strategy is not None
 
     @property
+    def bound(self) -> float | None:
+        """The lower bound on the objective that the gap states (None: no bound)."""
+        return self.objective * (1 - self.gap) if np.isfinite(self.gap) else None
+
+    @property
     def recomputed(self) -> np.ndarray:
         """Ids of the nodes recomputed in the backward pass."""
         return np.array(sorted(self.recompute_at or ()), np.int64)
@@ -95,6 +100,13 @@ class Solution:
                     "overlapped_recompute_seconds": self.overlapped_recompute_seconds,
                     "on_demand_recompute_seconds": self.on_demand_recompute_seconds,
                     "hidden_recomputations": len(self.hidden_under)})}
+
+
+def gap_to(objective: float, bound: float | None) -> float:
+    """The relative gap of ``objective`` above ``bound`` (at least 0; inf without a bound)."""
+    if bound is None:
+        return float("inf")
+    return max(1 - bound / objective, 0.0) if objective > 0 else 0.0
 
 
 class InfeasibleBudgetError(ValueError):

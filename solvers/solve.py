@@ -22,7 +22,7 @@ from solvers.problem import ShardingProblem
 from solvers.reuse import has_ties
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
-                              Status)
+                              Status, gap_to)
 
 __all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
 
@@ -120,11 +120,9 @@ def _incumbent(warm_start: Solution, solver: str, final: Solution | None) -> Sol
     if final is None:
         return dataclasses.replace(warm_start, solver=solver,
                                    status=Status.TIMEOUT_WITH_INCUMBENT, gap=float("inf"))
-    bound = final.objective * (1 - final.gap) if np.isfinite(final.gap) else None
-    gap = float("inf") if bound is None else max(1 - bound / warm_start.objective, 0.0)
     return dataclasses.replace(
         warm_start, solver=solver, status=final.status,
-        gap=0.0 if final.status == Status.OPTIMAL else gap,
+        gap=0.0 if final.status == Status.OPTIMAL else gap_to(warm_start.objective, final.bound),
         solve_seconds=final.solve_seconds, build_seconds=final.build_seconds,
         num_vars=final.num_vars, num_constraints=final.num_constraints)
 
