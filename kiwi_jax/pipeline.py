@@ -34,7 +34,8 @@ from solvers.problem import PHASES
 
 __all__ = ["model_profile"]
 
-PARAM, FORWARD, BACKWARD, OPTIMIZER = (PHASES.index(p) for p in PHASES)
+PARAM, FORWARD, BACKWARD, OPTIMIZER = (
+    PHASES.index(p) for p in ("param", "forward", "backward", "optimizer"))
 _ARGS = re.compile(r"^args(\[\d+\])+")
 
 

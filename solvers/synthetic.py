@@ -13,7 +13,8 @@ from solvers.problem import PHASES, ShardingProblem
 
 __all__ = ["make_problem", "layered_problem", "PARAM", "FORWARD", "BACKWARD", "OPTIMIZER"]
 
-PARAM, FORWARD, BACKWARD, OPTIMIZER = (PHASES.index(p) for p in PHASES)
+PARAM, FORWARD, BACKWARD, OPTIMIZER = (
+    PHASES.index(p) for p in ("param", "forward", "backward", "optimizer"))
 
 
 def make_problem(phases, edges, compute, memory, comm=None, resharding=None, outputs=(),
