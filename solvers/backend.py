@@ -119,8 +119,9 @@ class Model:
         if self.objective is not None:
             np.add.at(cost, self.objective.indices, self.objective.coefs)
             offset = self.objective.constant
-        return (matrix, lo, hi, np.concatenate(self._lb), np.concatenate(self._ub), cost,
-                np.concatenate(self._integer), np.concatenate(self._resolution), offset)
+        columns = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+        return (matrix, lo, hi, columns(self._lb, float), columns(self._ub, float), cost,
+                columns(self._integer, bool), columns(self._resolution, float), offset)
 
     def solve(self, backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
               mip_gap: float = 1e-4, seed: int = 0, threads: int = 1,
@@ -134,7 +135,18 @@ class Model:
         solvers = {"highs": _solve_highs, "cpsat": _solve_cpsat, "gurobi": _solve_gurobi}
         if backend not in solvers:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        if self.num_vars == 0:
+            return self._solve_empty()
         return solvers[backend](self, time_limit, mip_gap, seed, threads, hint or {})
+
+
+    def _solve_empty(self) -> MilpResult:
+        """A program with nothing to decide (one device: every operator has one strategy, and
+        no recomputation choice is open): its rows are constants, met or not."""
+        _, lo, hi, *_, offset = self.arrays()
+        if np.all(lo <= 0.0) and np.all(hi >= 0.0):
+            return MilpResult(Status.OPTIMAL, np.zeros(0), offset, offset, 0.0)
+        return MilpResult(Status.INFEASIBLE, None, float("nan"), float("nan"), 0.0)
 
 
 def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:

@@ -10,6 +10,7 @@ import pytest
 import solvers
 from solvers import InfeasibleBudgetError, Status, simulate, solve
 from solvers.backend import MilpResult, Model
+from solvers.linexpr import const
 from solver_graphs import (BACKWARD, FORWARD, OPTIMIZER, PARAM, chain_problem, make_problem,
                            random_problem)
 
@@ -307,3 +308,14 @@ def test_a_value_read_backward_before_its_last_forward_reader_counts_once():
     peak = simulate(p, np.zeros(6, np.int64)).peak_bytes
     for solver in ("alpa", "kiwi", "alpa+dots"):
         check_claims(p, solve(p, peak, solver=solver), peak)
+
+
+def test_a_program_with_nothing_to_decide_is_solved_by_its_constants():
+    model = Model()
+    model.add_row(const(3.0), hi=5.0)          # 3 <= 5: met
+    model.minimize(const(2.5))
+    result = model.solve("highs")
+    assert result.status == Status.OPTIMAL and result.objective == result.bound == 2.5
+    assert result.x.shape == (0,)
+    model.add_row(const(3.0), hi=1.0)          # 3 <= 1: not met
+    assert model.solve("highs").status == Status.INFEASIBLE
