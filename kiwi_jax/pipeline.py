@@ -98,7 +98,9 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
 
     untagged_fwd = (phase == FORWARD) & ~tagged
     feeds_layer = np.zeros(problem.num_nodes, bool)
-    readers = problem.readers()
+    readers: list[list[int]] = [[] for _ in range(problem.num_nodes)]
+    for src, dst, _slot in problem.edges:           # data flow, fused values included
+        readers[src].append(int(dst))
     for i in reversed(range(problem.num_nodes)):
         feeds_layer[i] = any(tagged[r] and phase[r] == FORWARD or feeds_layer[r]
                              for r in readers[i])

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 
 from hlo_tools.graph import OpGraph
-from hlo_tools.liveness import liveness
+from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.merge import merge_followers
 from kiwi_jax.sharding import Spec, comm_seconds, reshard_comms
@@ -65,8 +65,15 @@ class _ReshardCache:
         return self.matrices[key]
 
 
+MEMORY_MODELS = ("auto", "operator", "fused")
+"""How values are charged memory: ``operator``, every operator's output is a buffer; ``fused``,
+values XLA fuses into their readers hold none and their readers hold what those values read
+(:func:`hlo_tools.liveness.fused_values`); ``auto``, ``fused`` on one device and ``operator``
+on a mesh, where the fused model misses the resharded copies XLA keeps (docs/apply.md)."""
+
+
 def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
-                  ) -> ProblemBuild:
+                  memory_model: str = "auto") -> ProblemBuild:
     """Enumerate strategies and costs for every node and edge of ``graph``.
 
     Args:
@@ -74,11 +81,17 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
       mesh: a :class:`MeshSpec` or anything :meth:`MeshSpec.parse` accepts.
       cluster: a :class:`Cluster` or a preset name.
       merge: merge follower nodes into the node they follow (Alpa's graph simplification).
+      memory_model: one of :data:`MEMORY_MODELS`.
 
     Returns:
       The problem with the strategy objects behind it.
     """
     mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
+    if memory_model not in MEMORY_MODELS:
+        raise ValueError(f"unknown memory_model {memory_model!r}; expected one of "
+                         f"{MEMORY_MODELS}")
+    if memory_model == "auto":
+        memory_model = "fused" if np.prod(mesh.shape) == 1 else "operator"
     strategies, unsupported = [], {}
     for node in graph.nodes:
         options, supported = node_strategies(graph, node, mesh, cluster)
@@ -94,7 +107,9 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[src].nbytes, tuple(s.out for s in strategies[src]),
                      tuple(s.operands[slot] for s in strategies[dst]))
         for src, dst, slot in edges)
-    live = liveness(graph)
+    fused = fused_values(graph) if memory_model == "fused" else np.zeros(len(graph), bool)
+    held = held_operands(graph, fused) if memory_model == "fused" else None
+    live = liveness(graph, held)
     problem = ShardingProblem(
         names=tuple(n.name for n in graph.nodes), opcodes=tuple(n.opcode for n in graph.nodes),
         phase=np.array([int(n.phase) for n in graph.nodes], np.int8),
@@ -102,12 +117,15 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         strategy_names=tuple(tuple(s.name for s in opts) for opts in strategies),
         compute=tuple(np.array([s.compute_s for s in opts]) for opts in strategies),
         comm=tuple(np.array([s.comm_s for s in opts]) for opts in strategies),
-        memory=tuple(np.array([s.memory for s in opts], np.int64) for opts in strategies),
+        memory=tuple(np.array([0 if fused[i] else s.memory for s in opts], np.int64)
+                     for i, opts in enumerate(strategies)),
         edges=edges, resharding=resharding, z=live.z, live=live.live,
         fwd_last_use=live.fwd_last_use, first_bwd_use=live.first_bwd_use,
         is_output=np.array([n.is_output for n in graph.nodes]), mesh_shape=mesh.shape,
         flops=np.array([graph.flops(i) for i in range(len(graph))]),
-        peak_flops=cluster.device.flops, op_names=tuple(n.op_name for n in graph.nodes))
+        peak_flops=cluster.device.flops, op_names=tuple(n.op_name for n in graph.nodes),
+        uses=None if held is None else np.array(
+            [(v, i) for i, values in enumerate(held) for v in values], np.int64).reshape(-1, 2))
     if merge:
         problem = merge_followers(problem)
     return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported)

@@ -19,21 +19,13 @@ import itertools
 import re
 
 from hlo_tools.graph import Node, OpGraph
+from hlo_tools.liveness import ELEMENTWISE
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import (Comm, Spec, comm_seconds, enumerate_specs, local_bytes,
                                replicated, shard_count, spec_from_assignment, spec_str)
 
 __all__ = ["Strategy", "node_strategies", "ELEMENTWISE", "FREE_OPCODES"]
 
-ELEMENTWISE = frozenset({
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder", "and",
-    "or", "xor", "not", "negate", "abs", "exponential", "exponential-minus-one", "log",
-    "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "sign", "floor", "ceil",
-    "round-nearest-even", "round-nearest-afz", "compare", "select", "clamp", "convert", "copy",
-    "is-finite", "atan2", "cosine", "sine", "tan", "erf", "bitcast-convert", "popcnt",
-    "shift-left", "shift-right-logical", "shift-right-arithmetic", "reduce-precision", "real",
-    "imag", "expm1", "log1p",
-})
 FREE_OPCODES = frozenset({"parameter", "constant", "iota", "broadcast", "reshape", "bitcast"})
 """Operators that XLA turns into bitcasts or fuses into their users: no compute time."""
 _SLICE = re.compile(r"\[(-?\d+):(-?\d+)(?::(-?\d+))?\]")

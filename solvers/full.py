@@ -125,7 +125,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     horizon = _horizons(p, forward)
     operands = p.operands()
     reads_forward = np.zeros(n, bool)
-    for src, dst, _slot in p.edges:
+    for src, dst in p.uses:
         if forward[src] and not forward[dst]:
             reads_forward[dst] = True
     if recompute_stages is not None:

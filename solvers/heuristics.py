@@ -52,7 +52,7 @@ def keep_megatron(problem: ShardingProblem) -> np.ndarray:
 def keep_layer_inputs(problem: ShardingProblem) -> np.ndarray:
     """Keep each layer's input (values read across a layer boundary), recompute the others."""
     crossing = np.zeros(problem.num_nodes, bool)
-    for src, dst, _slot in problem.edges:
+    for src, dst in problem.uses:
         if problem.layer[src] != problem.layer[dst]:
             crossing[src] = True
     return _apply(problem, (problem.layer >= 0) & ~crossing)

@@ -383,7 +383,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
     """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between recomputable nodes."""
     seen = set()
-    for src, dst, _slot in p.edges:
+    for src, dst in p.uses:
         src, dst = int(src), int(dst)
         if not (recomputable[src] and recomputable[dst]):
             continue
@@ -415,7 +415,7 @@ def _memory_rows(p, b: Builder, keep_expr, recomputable, budget, minimize_peak) 
                               int(p.first_bwd_use[i]) - 1))
         else:
             terms.append((b.mem(i), i, int(last[i])))
-    for src, dst, _slot in p.edges:       # operands held until a recomputed reader runs (h_i)
+    for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
         src, dst = int(src), int(dst)
         if not recomputable[dst] or p.phase[src] != FORWARD or p.first_bwd_use[dst] <= last[src]:
             continue

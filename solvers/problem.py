@@ -69,6 +69,11 @@ class ShardingProblem:
     op_names: tuple[str, ...] = ()
     """Per node, the JAX op_name path (name scopes such as ``layer_0/attention_core``); used by
     scope-based heuristics. Empty when unknown."""
+    uses: np.ndarray = None
+    """int (U, 2): (value, reader) pairs, the reader needing the value alive when it runs: the
+    memory semantics of the edges. A value the compiler fuses into its readers (no buffer, no
+    memory) is resolved to the values it reads; see :func:`hlo_tools.liveness.held_operands`.
+    Default: the edges' (source, destination) pairs."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -77,6 +82,10 @@ class ShardingProblem:
         if self.follow is None:
             object.__setattr__(self, "follow",
                                tuple(np.arange(len(c)) for c in self.compute))
+        if self.uses is None:
+            pairs = np.asarray(self.edges, np.int64).reshape(-1, 3)[:, :2]
+            object.__setattr__(self, "uses", np.array(list(dict.fromkeys(map(tuple, pairs))),
+                                                      np.int64).reshape(-1, 2))
         for field in ("compute", "comm", "memory", "strategy_names"):
             if len(getattr(self, field)) != n:
                 raise ValueError(f"{field} has {len(getattr(self, field))} entries for {n} nodes")
@@ -119,16 +128,16 @@ class ShardingProblem:
         return np.flatnonzero(self.leader == np.arange(self.num_nodes))
 
     def operands(self) -> list[list[int]]:
-        """Per node, the nodes it reads (one entry per edge, in edge order)."""
+        """Per node, the values it needs alive when it runs (``uses``, each once)."""
         out: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for src, dst, _slot in self.edges:
+        for src, dst in self.uses:
             out[int(dst)].append(int(src))
         return out
 
     def readers(self) -> list[list[int]]:
-        """Per node, the nodes that read it (one entry per edge, in edge order)."""
+        """Per node, the nodes that need it alive when they run (``uses``, each once)."""
         out: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for src, dst, _slot in self.edges:
+        for src, dst in self.uses:
             out[int(src)].append(int(dst))
         return out
 
@@ -200,7 +209,7 @@ class ShardingProblem:
             layer=self.layer, edges=self.edges, z=self.z, live=self.live,
             fwd_last_use=self.fwd_last_use, first_bwd_use=self.first_bwd_use,
             is_output=self.is_output, mesh_shape=np.array(self.mesh_shape), flops=self.flops,
-            peak_flops=np.array(self.peak_flops), leader=self.leader,
+            peak_flops=np.array(self.peak_flops), leader=self.leader, uses=self.uses,
             op_names=np.array(self.op_names, dtype=str),
             strategy_names=np.array(["\n".join(s) for s in self.strategy_names]), **arrays)
 
@@ -222,4 +231,5 @@ class ShardingProblem:
                 mesh_shape=tuple(int(v) for v in data["mesh_shape"]), flops=data["flops"],
                 peak_flops=float(data["peak_flops"]), leader=data["leader"],
                 follow=tuple(data[f"follow_{i}"] for i in range(n)),
-                op_names=tuple(data["op_names"].tolist()))
+                op_names=tuple(data["op_names"].tolist()),
+                uses=data["uses"] if "uses" in data else None)

@@ -56,6 +56,16 @@ def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
         assert abs(report.collective_error) <= TOLERANCE, report.table()
 
 
+def test_one_device_plans_recomputation_alone():
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    step, args = _step("gpt", mesh, budget="2MiB")
+    report = step.verify(*args, steps=2)
+    assert step.plan.mesh_shape == (1, 1) and step.plan.status == "optimal" and report.fits
+    assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
+    assert report.compiled_collective_bytes == report.predicted_collective_bytes == 0
+
+
 def test_memory_at_both_peaks_is_attributed_to_operators(mesh24):
     step, args = _step("mlp", mesh24)
     step.lower(*args)

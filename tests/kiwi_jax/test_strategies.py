@@ -104,6 +104,23 @@ def test_unknown_opcode_falls_back_to_replicated_with_a_warning(caplog):
     assert build.problem.num_strategies[sort] == 1
 
 
+def test_one_device_charges_no_memory_to_values_fused_into_their_readers():
+    graph = lower_to_graph(lambda x: jnp.exp(x * 2.0) @ x,
+                           jax.ShapeDtypeStruct((8, 8), jnp.float32))
+    scaled = next(i for i, n in enumerate(graph.nodes) if n.opcode == "multiply")
+    exp = next(i for i, n in enumerate(graph.nodes) if n.opcode == "exponential")
+    memory = {model: build_problem(graph, "1x1", CLUSTER, merge=False,
+                                   memory_model=model).problem.memory
+              for model in ("auto", "fused", "operator")}
+    assert memory["auto"][scaled][0] == memory["fused"][scaled][0] == 0   # computed in exp's loop
+    assert memory["operator"][scaled][0] == 8 * 8 * 4
+    assert memory["auto"][exp][0] == 8 * 8 * 4                             # the dot reads it
+    on_mesh = build_problem(graph, MESH, CLUSTER, merge=False).problem
+    assert on_mesh.memory[scaled].min() > 0          # a mesh: every operator's output counts
+    with pytest.raises(ValueError, match="unknown memory_model 'xla'"):
+        build_problem(graph, MESH, CLUSTER, memory_model="xla")
+
+
 @pytest.fixture(scope="module")
 def gpt_build():
     ref = build("gpt", layers=2, hidden=32, heads=4, seq=8, batch=8, vocab=64)
