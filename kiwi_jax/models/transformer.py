@@ -17,7 +17,9 @@ so that it shows up in the HLO ``op_name`` metadata:
 * ``head`` -- final LayerNorm, LM head and loss.
 
 The model is deterministic (no dropout), so a train step is a pure function
-of its inputs.
+of its inputs. :attr:`TransformerConfig.remat` puts every block under
+``jax.checkpoint`` with one of JAX's policies: the per-layer recomputation
+that kiwi's plans are measured against (experiments/remat_baselines.py).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class TransformerConfig:
     """True for a GPT decoder (causal mask), False for a BERT encoder."""
     dtype: Any = jnp.float32
     """Parameter and activation dtype; the loss is computed in float32."""
+    remat: str | None = None
+    """None, or the name of a ``jax.checkpoint_policies`` policy (``"dots_saveable"``,
+    ``"nothing_saveable"``, ...) under which every block is checkpointed."""
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, ("layers", "hidden", "heads", "seq", "batch", "vocab"))
@@ -94,6 +99,12 @@ class TransformerConfig:
                 f"heads ({self.heads})"
             )
         _check_float_dtype(self)
+        if self.remat is not None and not callable(
+                getattr(jax.checkpoint_policies, str(self.remat), None)):
+            raise ValueError(
+                f"TransformerConfig.remat must be None or a jax.checkpoint_policies name "
+                f"such as 'dots_saveable' or 'nothing_saveable', got {self.remat!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -205,15 +216,20 @@ class Transformer(nnx.Module):
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.layers)])
         self.ln_f = nnx.LayerNorm(config.hidden, **dense)
         self.lm_head = nnx.Linear(config.hidden, config.vocab, **dense)
+        self.remat = config.remat
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Maps int tokens (batch, seq) to logits (batch, seq, vocab)."""
         with jax.named_scope("embed"):
             positions = jnp.arange(tokens.shape[1])
             x = self.token_embed(tokens) + self.pos_embed(positions)[None]
+        apply_block = Block.__call__
+        if self.remat is not None:
+            policy = getattr(jax.checkpoint_policies, self.remat)
+            apply_block = nnx.remat(Block.__call__, policy=policy)
         for i, block in enumerate(self.blocks):
             with jax.named_scope(f"layer_{i}"):
-                x = block(x)
+                x = apply_block(block, x)
         with jax.named_scope("head"):
             return self.lm_head(self.ln_f(x))
 
