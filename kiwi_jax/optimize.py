@@ -42,7 +42,7 @@ from kiwi_jax.apply import TracedStep, applied_function, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.plan import Plan, resolve_budget, solve_plan
-from kiwi_jax.problem import ProblemBuild, build_problem
+from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
 __all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError", "compile_plan",
@@ -94,6 +94,10 @@ class Options:
     overlap: bool = True
     """Lynx plans (``solver="lynx-heu"`` or ``"lynx-opt"``): recompute what the plan hides
     under a collective beside that collective (False: before the first backward reader)."""
+    memory_model: str = "auto"
+    """How values are charged memory: ``auto`` (values fused into their readers hold none on
+    one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
+    :data:`kiwi_jax.problem.MEMORY_MODELS`."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -123,7 +127,7 @@ class Prepared:
 
 def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", solver="kiwi",
              backend="highs", time_limit=60.0, mip_gap=1e-3, reuse_layers=True, cache_dir=None,
-             donate=True, overlap=True):
+             donate=True, overlap=True, memory_model="auto"):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`. Usable as ``@optimize(mesh=..., memory_budget=...)`` or
@@ -137,8 +141,9 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", sol
     """
     MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
     Cluster.parse(cluster)
+    check_memory_model(memory_model)
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate, overlap)
+                      reuse_layers, cache_dir, donate, overlap, memory_model)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -203,7 +208,8 @@ class OptimizedStep:
                 f"{self.__name__} computes no gradient: kiwi_jax.optimize plans the forward, "
                 "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
                 "inside it); for a forward-only function use jax.jit")
-        build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster))
+        build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
+                              memory_model=options.memory_model)
         plan, cached = self._plan(traced, build)
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
@@ -259,7 +265,8 @@ class OptimizedStep:
         key = PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
                             budget=options.memory_budget, cluster=build.cluster.name,
                             solver=options.solver, backend=options.backend,
-                            reuse_layers=options.reuse_layers, mip_gap=options.mip_gap)
+                            reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
+                            memory_model=options.memory_model)
         return PlanCache(options.cache_dir or default_cache_dir()), key
 
     def _plan(self, traced: TracedStep, build: ProblemBuild) -> tuple[Plan, bool]:

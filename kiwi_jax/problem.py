@@ -19,7 +19,7 @@ from kiwi_jax.sharding import Spec, comm_seconds, reshard_comms
 from kiwi_jax.strategies import Strategy, node_strategies
 from solvers.problem import ShardingProblem
 
-__all__ = ["build_problem", "ProblemBuild"]
+__all__ = ["build_problem", "check_memory_model", "ProblemBuild", "MEMORY_MODELS"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,13 @@ values XLA fuses into their readers hold none and their readers hold what those 
 on a mesh, where the fused model misses the resharded copies XLA keeps (docs/apply.md)."""
 
 
+def check_memory_model(memory_model: str) -> None:
+    """A clear error for a name that is not one of :data:`MEMORY_MODELS`."""
+    if memory_model not in MEMORY_MODELS:
+        raise ValueError(f"unknown memory_model {memory_model!r}; expected one of "
+                         f"{MEMORY_MODELS}")
+
+
 def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
                   memory_model: str = "auto") -> ProblemBuild:
     """Enumerate strategies and costs for every node and edge of ``graph``.
@@ -87,9 +94,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
       The problem with the strategy objects behind it.
     """
     mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
-    if memory_model not in MEMORY_MODELS:
-        raise ValueError(f"unknown memory_model {memory_model!r}; expected one of "
-                         f"{MEMORY_MODELS}")
+    check_memory_model(memory_model)
     if memory_model == "auto":
         memory_model = "fused" if np.prod(mesh.shape) == 1 else "operator"
     strategies, unsupported = [], {}

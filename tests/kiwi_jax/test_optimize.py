@@ -161,6 +161,11 @@ def test_mesh_must_have_two_axes():
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh, memory_budget="1GiB")
 
 
+def test_unknown_memory_model_is_named(mesh24):
+    with pytest.raises(ValueError, match=r"unknown memory_model 'xla'.*'auto', 'operator'"):
+        kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", memory_model="xla")
+
+
 def test_keyword_arguments_are_refused(mesh24):
     step, _ = _step("mlp", mesh24)
     with pytest.raises(TypeError, match="positionally"):
