@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from experiments import (bandwidth_sweep, lynx_pipeline, mesh_sweep, optimality, report,
-                         solver_scaling)
+from experiments import (bandwidth_sweep, lynx_pipeline, mesh_sweep, optimality,
+                         remat_baselines, report, solver_scaling)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -129,3 +129,25 @@ def test_lynx_pipeline_quick(results, capsys):
     # keeping everything is a bound on OPT, not above its plan
     assert opt["keep_all_step_seconds"] <= opt["opt_step_seconds"] * (1 + TOL)
     assert opt["heu_throughput_vs_bound"] <= opt["heu_throughput_vs_opt"] + TOL
+
+
+def test_remat_baselines_quick(results, capsys):
+    returned = remat_baselines.main(["--quick", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["study"] == "remat_baselines" and printed == json.loads(
+        (results / "remat_baselines.json").read_text())
+    assert (results / "remat_baselines.png").stat().st_size > 10_000
+    rows = printed["variants"]
+    assert set(rows) == set(returned["variants"]) == {"plain", "dots_saveable",
+                                                       "nothing_saveable", "kiwi@1"}
+    plain, budget = rows["plain"], printed["budgets"]["1"]
+    assert budget == plain["compiled_peak_bytes"] and plain["max_state_rel_diff"] == 0.0
+    for name, row in rows.items():
+        assert row["fits"]["1"] == (row["compiled_peak_bytes"] <= budget)
+        assert row["step_ms_min"] <= row["step_ms_median"]
+        assert row["max_state_rel_diff"] < 1e-5 and row["max_loss_rel_diff"] < 1e-5, name
+    # per-block remat holds less than the plain step, recomputing everything least of all
+    assert rows["nothing_saveable"]["compiled_peak_bytes"] <= \
+        rows["dots_saveable"]["compiled_peak_bytes"] < plain["compiled_peak_bytes"]
+    kiwi = rows["kiwi@1"]
+    assert kiwi["budget_bytes"] == budget and kiwi["operators"] > 0
