@@ -119,7 +119,9 @@ class Model:
         if self.objective is not None:
             np.add.at(cost, self.objective.indices, self.objective.coefs)
             offset = self.objective.constant
-        columns = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+        def columns(parts, dtype):
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
         return (matrix, lo, hi, columns(self._lb, float), columns(self._ub, float), cost,
                 columns(self._integer, bool), columns(self._resolution, float), offset)
 
