@@ -210,11 +210,15 @@ class OptimizedStep:
                 "inside it); for a forward-only function use jax.jit")
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
                               memory_model=options.memory_model)
-        plan, cached = self._plan(traced, build)
+        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        try:
+            (plan, cached), applied = self._plan(traced, build), None
+        except solvers.InfeasibleBudgetError as error:
+            (plan, applied), cached = self._closest(traced, build, error, abstract, state_out), False
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
-        applied = self._apply(traced, plan, abstract, state_out)
+        if applied is None:
+            applied = self._apply(traced, plan, abstract, state_out)
         if not cached:
             plan, applied = self._fit(traced, build, plan, applied, abstract, state_out)
             self._store(traced, build, plan)
@@ -229,6 +233,29 @@ class OptimizedStep:
         ``state_out``: position of the updated state among the outputs (see carried_state)."""
         return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
                             self.options.donate, self.options.overlap)
+
+    def _closest(self, traced, build, error: solvers.InfeasibleBudgetError, abstract,
+                 state_out) -> tuple[Plan, tuple]:
+        """The compiler is the judge here too: when the model finds no plan under the budget,
+        compile the plan with the smallest predicted peak and run it if it fits (the model
+        over-predicts XLA's memory on some steps); else raise naming the bytes it needs."""
+        if error.min_feasible_bytes is None:
+            raise error
+        options = self.options
+        closest = solve_plan(build, error.min_feasible_bytes, options.solver,
+                             search_min_feasible=False, **options.solver_options())
+        applied = self._apply(traced, closest, abstract, state_out)
+        compiled_peak = device_memory(applied[-1]).peak_bytes
+        if compiled_peak > error.budget_bytes:
+            raise solvers.InfeasibleBudgetError(
+                error.solver, error.budget_bytes,
+                max(compiled_peak, error.min_feasible_bytes)) from error
+        log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
+                    "that plan compiles to %d B: running it", self.__name__, error.budget_bytes,
+                    error.min_feasible_bytes, compiled_peak)
+        plan = dataclasses.replace(closest, budget_bytes=error.budget_bytes,
+                                   solver_budget_bytes=error.min_feasible_bytes)
+        return plan, applied
 
     def _fit(self, traced, build, plan: Plan, applied, abstract, state_out) -> tuple[Plan, tuple]:
         """The compiler is the judge: while the compiled step is over the budget, solve again

@@ -15,7 +15,7 @@ import kiwi_jax
 import solvers
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
-from hlo_tools.compiled import LiveBuffer
+from hlo_tools.compiled import LiveBuffer, device_memory
 from hlo_tools.graph import Phase
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.verify import TOLERANCE, _memory_disagreements
@@ -64,6 +64,27 @@ def test_one_device_plans_recomputation_alone():
     assert step.plan.mesh_shape == (1, 1) and step.plan.status == "optimal" and report.fits
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
     assert report.compiled_collective_bytes == report.predicted_collective_bytes == 0
+
+
+def test_a_budget_only_the_model_rules_out_runs_the_closest_plan(caplog):
+    # one device, per-operator model: it over-predicts this step (the smallest predicted peak
+    # is 36.3 MB; the plain step compiles to 29.2 MB), so the compiler decides
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ref = build("gpt", layers=2, hidden=64, heads=4, seq=128, batch=8, vocab=128)
+    budget = 30_000_000
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget,
+                             memory_model="operator", **FAST)
+    with caplog.at_level("WARNING"):
+        prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    assert "the model finds no plan" in caplog.text
+    assert prepared.plan.budget_bytes == budget < prepared.plan.solver_budget_bytes
+    assert device_memory(prepared.compiled).peak_bytes <= budget
+    tight = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=1_000_000,
+                              memory_model="operator", **FAST)
+    with pytest.raises(solvers.InfeasibleBudgetError) as error:     # names what the plan needs
+        tight.lower(*ref.abstract_init(), ref.abstract_batch())
+    assert error.value.min_feasible_bytes >= prepared.plan.solver_budget_bytes
 
 
 def test_memory_at_both_peaks_is_attributed_to_operators(mesh24):
