@@ -38,6 +38,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="v100-nvlink",
                         help="cluster preset (v100-nvlink, v100-2node, a100-nvlink, a100-pcie, "
                         "h100), optionally with a slow-down such as v100-nvlink@10x")
+    parser.add_argument("--memory-model", default="auto",
+                        help="auto (default): values fused into their readers hold no memory "
+                        "on one device, every operator's output counts on a mesh; fused or "
+                        "operator force one")
     parser.add_argument("--json", action="store_true", help="print a JSON summary last")
 
 
@@ -54,7 +58,7 @@ def _cmd_problem(args) -> dict:
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
                                       mesh=args.mesh, cluster=args.cluster,
-                                      merge=not args.no_merge)
+                                      merge=not args.no_merge, memory_model=args.memory_model)
     summary = build.problem.summary()
     summary.update(model=args.model, cluster=build.cluster.name,
                    unsupported_opcodes=build.unsupported,
@@ -78,7 +82,8 @@ def _cmd_plan(args) -> dict:
 
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
-                                      mesh=args.mesh, cluster=args.cluster)
+                                      mesh=args.mesh, cluster=args.cluster,
+                                      memory_model=args.memory_model)
     problem = build.problem
     options = {"backend": args.backend, "time_limit": args.time_limit,
                "reuse_layers": args.reuse_layers}
@@ -186,7 +191,8 @@ def _cmd_verify(args) -> dict:
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     step = optimize(ref.train_step, mesh=mesh, memory_budget=args.budget, cluster=args.cluster,
                     solver=args.solver, backend=args.backend, time_limit=args.time_limit,
-                    mip_gap=args.gap, cache_dir=False if args.no_cache else args.cache_dir)
+                    mip_gap=args.gap, cache_dir=False if args.no_cache else args.cache_dir,
+                    memory_model=args.memory_model)
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
            "cluster": args.cluster}

@@ -29,8 +29,9 @@ def trace_step(train_step, *args) -> tuple[PureStep, OpGraph]:
 
 
 def problem_for_step(train_step, *args, mesh, cluster="v100-nvlink", merge=True,
-                     ) -> tuple[ProblemBuild, dict]:
-    """Trace ``train_step(*args)`` and build its sharding problem.
+                     memory_model="auto") -> tuple[ProblemBuild, dict]:
+    """Trace ``train_step(*args)`` and build its sharding problem (``memory_model``: see
+    :data:`kiwi_jax.problem.MEMORY_MODELS`).
 
     Returns:
       (build, timings): the problem build and the seconds spent lowering and building.
@@ -38,6 +39,6 @@ def problem_for_step(train_step, *args, mesh, cluster="v100-nvlink", merge=True,
     start = time.perf_counter()
     _, graph = trace_step(train_step, *args)
     lowered = time.perf_counter()
-    build = build_problem(graph, mesh, cluster, merge=merge)
+    build = build_problem(graph, mesh, cluster, merge=merge, memory_model=memory_model)
     done = time.perf_counter()
     return build, {"lower_seconds": lowered - start, "build_seconds": done - lowered}

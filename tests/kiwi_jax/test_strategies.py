@@ -179,3 +179,17 @@ def test_cli_problem_json(model, capsys):
 def test_cli_reports_bad_input(capsys):
     assert main(["problem", "--model", "resnet"]) == 2
     assert "resnet" in capsys.readouterr().err
+    assert main(["problem", "--model", "mlp", "--memory-model", "xla"]) == 2
+    assert "unknown memory_model 'xla'" in capsys.readouterr().err
+
+
+def test_cli_memory_model_reaches_the_problem(capsys):
+    args = ["problem", "--model", "gpt", "--layers", "1", "--hidden", "32", "--heads", "2",
+            "--seq", "16", "--batch", "4", "--vocab", "64", "--mesh", "1x1", "--json"]
+    recomputable = {}
+    for model in ("fused", "operator"):
+        assert main(args + ["--memory-model", model]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        recomputable[model] = summary["recomputable_nodes"]
+    # fused values hold nothing: fewer forward values are stored for the backward pass
+    assert recomputable["fused"] < recomputable["operator"]
