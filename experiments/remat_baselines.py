@@ -18,7 +18,7 @@ peak is its own; the plans are cached under the work directory.
 
 Usage: python -m experiments.remat_baselines [--quick] [--layers 4 --hidden 256 ...]
        [--budgets 0.8 0.6] [--baselines dots_saveable] [--cluster h100]
-       [--matmul-precision highest] [--name NAME] [--json]
+       [--memory-model operator] [--matmul-precision highest] [--name NAME] [--json]
 Writes results/<NAME>.json and .png (step time against memory, budgets as lines; NAME defaults
 to remat_baselines).
 """
