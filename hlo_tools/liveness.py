@@ -94,14 +94,14 @@ def fused_values(graph: OpGraph) -> np.ndarray:
     return fused
 
 
-def held_operands(graph: OpGraph, fused: np.ndarray | None = None) -> list[list[int]]:
+def held_operands(graph: OpGraph, fused: np.ndarray) -> list[list[int]]:
     """Per node, the stored values that must be alive when it runs: its operands, each fused
-    one replaced (transitively) by the values it reads. ``fused`` None: the operands."""
+    one (``fused``, see :func:`fused_values`) replaced, transitively, by the values it reads."""
     held: list[list[int]] = []
     for node in graph.nodes:                         # topological: operands come first
         out: list[int] = []
         for op in node.operands:
-            out.extend(held[op] if fused is not None and fused[op] else [op])
+            out.extend(held[op] if fused[op] else [op])
         held.append(list(dict.fromkeys(out)))
     return held
 

@@ -119,6 +119,7 @@ class Model:
         if self.objective is not None:
             np.add.at(cost, self.objective.indices, self.objective.coefs)
             offset = self.objective.constant
+
         def columns(parts, dtype):
             return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
@@ -140,7 +141,6 @@ class Model:
         if self.num_vars == 0:
             return self._solve_empty()
         return solvers[backend](self, time_limit, mip_gap, seed, threads, hint or {})
-
 
     def _solve_empty(self) -> MilpResult:
         """A program with nothing to decide (one device: every operator has one strategy, and

@@ -69,7 +69,7 @@ class ShardingProblem:
     op_names: tuple[str, ...] = ()
     """Per node, the JAX op_name path (name scopes such as ``layer_0/attention_core``); used by
     scope-based heuristics. Empty when unknown."""
-    uses: np.ndarray = None
+    uses: np.ndarray | None = None
     """int (U, 2): (value, reader) pairs, the reader needing the value alive when it runs: the
     memory semantics of the edges. A value the compiler fuses into its readers (no buffer, no
     memory) is resolved to the values it reads; see :func:`hlo_tools.liveness.held_operands`.

@@ -56,21 +56,18 @@ def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
         assert abs(report.collective_error) <= TOLERANCE, report.table()
 
 
-def test_one_device_plans_recomputation_alone():
-    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    step, args = _step("gpt", mesh, budget="2MiB")
+def test_one_device_plans_recomputation_alone(mesh_factory):
+    step, args = _step("gpt", mesh_factory((1, 1)), budget="2MiB")
     report = step.verify(*args, steps=2)
     assert step.plan.mesh_shape == (1, 1) and step.plan.status == "optimal" and report.fits
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
     assert report.compiled_collective_bytes == report.predicted_collective_bytes == 0
 
 
-def test_a_budget_only_the_model_rules_out_runs_the_closest_plan(caplog):
+def test_a_budget_only_the_model_rules_out_runs_the_closest_plan(caplog, mesh_factory):
     # one device, per-operator model: it over-predicts this step (the smallest predicted peak
     # is 36.3 MB; the plain step compiles to 29.2 MB), so the compiler decides
-    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = mesh_factory((1, 1))
     ref = build("gpt", layers=2, hidden=64, heads=4, seq=128, batch=8, vocab=128)
     budget = 30_000_000
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget,
