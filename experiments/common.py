@@ -229,13 +229,12 @@ class PlanCompiler:
     def compiled_memory(self, solution, budget: int) -> dict:
         """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the
         solution applied and compiled, and whether it fits ``budget``."""
-        from hlo_tools.compiled import device_memory
-        from kiwi_jax.optimize import compile_plan
+        from kiwi_jax.compile import compile_plan
         from kiwi_jax.plan import plan_from_solution
 
         plan = plan_from_solution(self.build, solution, budget)
         start = time.perf_counter()
-        compiled = compile_plan(self.traced, plan, self.mesh, self.pure, self.state_out)[-1]
-        peak = device_memory(compiled).peak_bytes
+        applied = compile_plan(self.traced, plan, self.mesh, self.pure, self.state_out)
+        peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
                 "compile_seconds": round(time.perf_counter() - start, 2)}

@@ -56,7 +56,7 @@ def _compiled_step(variant: str, ref, args, budget_bytes: int | None, options: d
     """``(compiled, placed_args, state_out, extra)`` for one variant."""
     import jax
 
-    from kiwi_jax.optimize import compiler_options
+    from kiwi_jax.compile import compiler_options
     from kiwi_jax.step import carried_state, functionalize
 
     pure = functionalize(ref.train_step, args)

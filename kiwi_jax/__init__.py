@@ -1,13 +1,23 @@
-"""kiwi-jax: joint sharding and rematerialisation planning for JAX train steps."""
+"""kiwi-jax: joint sharding and rematerialisation planning for JAX train steps.
 
-from kiwi_jax.cluster import Cluster, Device, Link, MeshSpec, PRESETS, parse_bytes
-from kiwi_jax.frontend import problem_for_step, trace_step
-from kiwi_jax.optimize import NotATrainStepError, OptimizedStep, optimize
+The user API: the :func:`optimize` decorator, the :class:`Plan` it runs and the
+:class:`VerifyReport` that checks it against the compiled step; :func:`problem_for_step` and
+:func:`build_problem` for the costed problem itself; the errors a plan can raise.
+"""
+
+from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
+from kiwi_jax.compile import CompiledPlan, Prepared
+from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.optimize import NotATrainStepError, OptimizedStep, Options, optimize
+from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild, build_problem
-from kiwi_jax.strategies import Strategy
+from kiwi_jax.verify import VerifyReport
+from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
+                              SolverUnavailableError, Status)
 
 __all__ = [
-    "Cluster", "Device", "Link", "MeshSpec", "PRESETS", "parse_bytes",
-    "problem_for_step", "trace_step", "ProblemBuild", "build_problem", "Strategy",
-    "optimize", "OptimizedStep", "NotATrainStepError",
+    "optimize", "OptimizedStep", "Options", "Plan", "VerifyReport", "Prepared", "CompiledPlan",
+    "Cluster", "MeshSpec", "parse_bytes", "problem_for_step", "build_problem", "ProblemBuild",
+    "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
+    "SolverTimeoutError", "SolverUnavailableError",
 ]

@@ -45,7 +45,7 @@ class PlanCache:
         try:
             plan = Plan.from_json(path.read_text())
         except (OSError, ValueError, KeyError, TypeError) as error:
-            warnings.warn(f"ignoring corrupt plan cache entry {path} ({error}); solving again",
+            warnings.warn(f"ignoring unreadable plan cache entry {path} ({error}); solving again",
                           stacklevel=3)
             return None
         if plan.node_names != tuple(node_names):

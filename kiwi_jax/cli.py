@@ -45,11 +45,46 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON summary last")
 
 
+class UsageError(ValueError):
+    """The command line asks for something that does not exist or cannot run here; the CLI
+    prints the message and exits with 2 (any other exception is a bug and keeps its
+    traceback)."""
+
+
 def _reference(args):
     from kiwi_jax.models import build
 
     overrides = {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f) is not None}
-    return build(args.model, preset=args.preset, **overrides)
+    try:
+        return build(args.model, preset=args.preset, **overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def _check_args(args) -> None:
+    """Parse every option that names something (mesh, cluster, memory model, budget, solver,
+    backend) before any work, so a typo is a usage error rather than a failure later on."""
+    import solvers
+    from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
+    from kiwi_jax.problem import check_memory_model
+
+    try:
+        MeshSpec.parse(args.mesh)
+        Cluster.parse(args.cluster)
+        check_memory_model(args.memory_model)
+        budget = getattr(args, "budget", None)
+        if budget is not None and not budget.strip().endswith("%"):
+            parse_bytes(budget)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    solver = getattr(args, "solver", None)
+    if solver is not None and solver not in solvers.SOLVERS:
+        raise UsageError(f"unknown solver {solver!r}; expected one of "
+                         f"{', '.join(solvers.SOLVERS)}")
+    backend = getattr(args, "backend", None)
+    if backend is not None and backend not in solvers.BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; expected one of "
+                         f"{', '.join(solvers.BACKENDS)}")
 
 
 def _cmd_problem(args) -> dict:
@@ -78,15 +113,15 @@ def _cmd_problem(args) -> dict:
 def _cmd_plan(args) -> dict:
     import solvers
     from kiwi_jax.frontend import problem_for_step
-    from kiwi_jax.plan import resolve_budget, solve_problem
+    from kiwi_jax.plan import resolve_budget, solve_plan
 
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
                                       mesh=args.mesh, cluster=args.cluster,
                                       memory_model=args.memory_model)
     problem = build.problem
-    options = {"backend": args.backend, "time_limit": args.time_limit,
-               "reuse_layers": args.reuse_layers}
+    options = {"backend": args.backend, "time_limit": args.time_limit, "mip_gap": args.gap,
+               "seed": args.seed, "threads": args.threads, "reuse_layers": args.reuse_layers}
     budget = resolve_budget(args.budget, problem, **options)
     out = {"solver": args.solver, "backend": args.backend, "model": args.model,
            "mesh": args.mesh, "cluster": build.cluster.name, "budget_bytes": budget,
@@ -95,8 +130,7 @@ def _cmd_plan(args) -> dict:
            **{k: round(v, 3) for k, v in timings.items()}}
     start = time.perf_counter()
     try:
-        solution = solve_problem(problem, budget, args.solver, mip_gap=args.gap,
-                                 seed=args.seed, threads=args.threads, **options)
+        plan = solve_plan(build, budget, args.solver, **options)
     except solvers.InfeasibleBudgetError as err:
         print(f"kiwi-jax plan: {err}", file=sys.stderr)
         out.update(status="infeasible", feasible=False,
@@ -108,30 +142,15 @@ def _cmd_plan(args) -> dict:
         out.update(status="error", feasible=False, error=str(err))
         return out
     wall = time.perf_counter() - start
-    lynx = solution.hidden_under is not None
-    sim = solvers.simulate(problem, solution.strategy, recompute_at=solution.recompute_at,
-                           overlap=lynx)
-    if lynx:
-        out.update(overlapped_recompute_seconds=sim.overlapped_recompute_seconds,
-                   on_demand_recompute_seconds=sim.recompute_seconds,
-                   hidden_recomputations=len(solution.hidden_under))
-    out.update(
-        status=solution.status.value, feasible=True, gap=solution.gap,
-        solve_seconds=solution.solve_seconds, solve_wall_seconds=wall,
-        model_build_seconds=solution.build_seconds,
-        num_vars=solution.num_vars, num_constraints=solution.num_constraints,
-        predicted_step_seconds=solution.objective,
-        predicted_peak_bytes=solution.claimed_peak_bytes,
-        simulated_step_seconds=sim.step_seconds, simulated_peak_bytes=sim.peak_bytes,
-        recompute_seconds=sim.recompute_seconds, recomputed_nodes=int(len(solution.recomputed)))
+    out.update(plan.summary(), feasible=True, solve_wall_seconds=wall)
     print(f"{args.solver} on {args.model} ({problem.num_nodes} operators), mesh {args.mesh}, "
-          f"{build.cluster.name}: {solution.status.value} in {wall:.2f} s, warm start included "
-          f"({solution.num_vars} variables, {solution.num_constraints} constraints)")
-    print(f"step {sim.step_seconds * 1e3:.3f} ms (ideal compute "
-          f"{problem.ideal_compute_seconds() * 1e3:.3f} ms, recomputation "
-          f"{sim.recompute_seconds * 1e3:.3f} ms, {len(solution.recomputed)} values "
-          f"recomputed); peak {sim.peak_bytes / 2**30:.3f} GiB of a {budget / 2**30:.3f} GiB "
-          "budget per device")
+          f"{build.cluster.name}: {plan.status} in {wall:.2f} s, warm start included "
+          f"({plan.solution.num_vars} variables, {plan.solution.num_constraints} constraints)")
+    print(f"step {plan.predicted_step_seconds * 1e3:.3f} ms (ideal compute "
+          f"{plan.ideal_compute_seconds * 1e3:.3f} ms, recomputation "
+          f"{plan.simulation.recompute_seconds * 1e3:.3f} ms, {len(plan.recomputed)} values "
+          f"recomputed); peak {plan.predicted_peak_bytes / 2**30:.3f} GiB of a "
+          f"{budget / 2**30:.3f} GiB budget per device")
     return out
 
 
@@ -184,7 +203,7 @@ def _cmd_verify(args) -> dict:
     ref = _reference(args)
     shape = MeshSpec.parse(args.mesh).shape
     if jax.device_count() < shape[0] * shape[1]:
-        raise ValueError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
+        raise UsageError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
                          f"{jax.device_count()}; on CPU set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={shape[0] * shape[1]}")
     mesh = jax.make_mesh(shape, ("data", "model"),
@@ -289,8 +308,9 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     try:
+        _check_args(args)
         result = args.run(args)
-    except (ValueError, KeyError) as err:
+    except UsageError as err:
         print(f"kiwi-jax {args.command}: error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -81,7 +81,7 @@ def plot_memory_timeline(build: ProblemBuild, plan: Plan, path,
     import matplotlib.pyplot as plt
 
     problem = build.problem
-    planned = simulate(problem, plan.strategy, recompute_at=plan.schedule(problem))
+    planned = simulate(problem, plan.strategy, recompute_at=plan.recompute_at)
     kept = simulate(problem, plan.strategy)
     fig, ax = plt.subplots(figsize=(10, 4))
     x = np.arange(problem.num_nodes)

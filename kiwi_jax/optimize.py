@@ -36,24 +36,19 @@ import jax
 from flax import nnx
 
 import solvers
-from hlo_tools.compiled import device_memory
 from hlo_tools.graph import Phase
-from kiwi_jax.apply import TracedStep, applied_function, trace_for_planning
+from kiwi_jax.apply import TracedStep, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.cluster import Cluster, MeshSpec
+from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.plan import Plan, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
+from kiwi_jax.verify import VerifyReport, verify_prepared
 
-__all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError", "compile_plan",
-           "compiler_options"]
+__all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
 
 log = logging.getLogger(__name__)
-
-KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
-"""Compiler options that keep recomputation on the CPU backend, whose CSE otherwise merges a
-recomputed value with its original (see docs/apply.md)."""
-
 
 FIT_ROUNDS = 3
 """Re-solves allowed when the compiled step comes out over the budget."""
@@ -102,27 +97,6 @@ class Options:
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
                 "mip_gap": self.mip_gap, "reuse_layers": self.reuse_layers}
-
-
-@dataclasses.dataclass
-class Prepared:
-    """Everything made for one argument signature."""
-
-    traced: TracedStep
-    build: ProblemBuild
-    plan: Plan
-    in_shardings: object
-    out_shardings: object
-    state_out: int | None
-    """Position of the updated train state among the outputs (None: not carried)."""
-    jitted: object
-    """The applied step under ``jax.jit`` with the plan's shardings."""
-    compiled: object
-    """Its compiled executable."""
-    plan_seconds: float
-    compile_seconds: float
-    cached: bool
-    """The plan came from the disk cache."""
 
 
 def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", solver="kiwi",
@@ -224,18 +198,18 @@ class OptimizedStep:
             self._store(traced, build, plan)
         log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
                  "cached" if cached else plan.status, time.perf_counter() - start)
-        return Prepared(traced, build, plan, *applied, plan_seconds=plan_seconds,
+        return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
                         compile_seconds=time.perf_counter() - start, cached=cached)
 
     def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep,
-               state_out: int | None) -> tuple:
-        """``(in_shardings, out_shardings, state_out, jitted, compiled)`` of the applied plan;
-        ``state_out``: position of the updated state among the outputs (see carried_state)."""
+               state_out: int | None) -> CompiledPlan:
+        """The plan applied and compiled; ``state_out``: position of the updated state among
+        the outputs (see carried_state)."""
         return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
                             self.options.donate, self.options.overlap)
 
     def _closest(self, traced, build, error: solvers.InfeasibleBudgetError, abstract,
-                 state_out) -> tuple[Plan, tuple]:
+                 state_out) -> tuple[Plan, CompiledPlan]:
         """The compiler is the judge here too: when the model finds no plan under the budget,
         compile the plan with the smallest predicted peak and run it if it fits (the model
         over-predicts XLA's memory on some steps); else raise naming the bytes it needs."""
@@ -245,7 +219,7 @@ class OptimizedStep:
         closest = solve_plan(build, error.min_feasible_bytes, options.solver,
                              search_min_feasible=False, **options.solver_options())
         applied = self._apply(traced, closest, abstract, state_out)
-        compiled_peak = device_memory(applied[-1]).peak_bytes
+        compiled_peak = applied.memory.peak_bytes
         if compiled_peak > error.budget_bytes:
             raise solvers.InfeasibleBudgetError(
                 error.solver, error.budget_bytes,
@@ -257,12 +231,13 @@ class OptimizedStep:
                                    solver_budget_bytes=error.min_feasible_bytes)
         return plan, applied
 
-    def _fit(self, traced, build, plan: Plan, applied, abstract, state_out) -> tuple[Plan, tuple]:
+    def _fit(self, traced, build, plan: Plan, applied: CompiledPlan, abstract,
+             state_out) -> tuple[Plan, CompiledPlan]:
         """The compiler is the judge: while the compiled step is over the budget, solve again
         with the budget lowered by the excess (at most ``FIT_ROUNDS`` times)."""
         budget, target = plan.budget_bytes, plan.budget_bytes
         for attempt in range(FIT_ROUNDS + 1):
-            compiled_peak = device_memory(applied[-1]).peak_bytes
+            compiled_peak = applied.memory.peak_bytes
             if compiled_peak <= budget:
                 break
             over = (f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, "
@@ -337,7 +312,8 @@ class OptimizedStep:
             plot_memory_timeline(self.prepared.build, self.plan, png)
         return text
 
-    def verify(self, *args, steps: int = 3, explain_memory: bool | None = None):
+    def verify(self, *args, steps: int = 3,
+               explain_memory: bool | None = None) -> VerifyReport:
         """Compare the compiled step with the plan (memory, collectives) and, given concrete
         arguments, its numerics with the plain jitted step over ``steps`` steps;
         ``explain_memory``: attribute the bytes at both peaks to operators (None: only when
@@ -346,42 +322,7 @@ class OptimizedStep:
         Returns:
           A :class:`kiwi_jax.verify.VerifyReport`.
         """
-        from kiwi_jax.verify import verify_prepared
-
         prepared = self.lower(*args) if args else self.prepared
         return verify_prepared(prepared, self.options.mesh,
                                functionalize(self.train_step, args) if args else None, steps,
                                explain_memory)
-
-
-def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
-                 state_out: int | None = None, donate: bool = True,
-                 overlap: bool = True) -> tuple:
-    """Apply ``plan`` to the traced step and compile it for ``abstract``'s argument shapes.
-
-    Args:
-      state_out: position of the updated state among the outputs (see carried_state): it gets
-        the input state's layout and, with ``donate``, reuses its buffers.
-      overlap: place the recomputations a Lynx plan hides under collectives beside them.
-
-    Returns:
-      ``(in_shardings, out_shardings, state_out, jitted, compiled)``.
-    """
-    fn, in_shardings, out_shardings = applied_function(
-        traced, list(plan.specs), plan.recomputed, mesh,
-        beside=plan.hidden_under if overlap else None)
-    donate_argnums = ()
-    if state_out is not None:
-        out_list = list(out_shardings)
-        out_list[state_out] = in_shardings[0]           # the state keeps its layout
-        out_shardings = tuple(out_list)
-        donate_argnums = (0,) if donate else ()
-    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                     donate_argnums=donate_argnums, keep_unused=True)
-    compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
-    return in_shardings, out_shardings, state_out, jitted, compiled
-
-
-def compiler_options() -> dict:
-    """Options that keep the plan's recomputation in the compiled step on this backend."""
-    return dict(KEEP_REMAT) if jax.default_backend() == "cpu" else {}

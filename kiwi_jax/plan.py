@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -16,15 +17,14 @@ import time
 import numpy as np
 
 from hlo_tools.graph import Phase
-from kiwi_jax.apply import TracedStep
-from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
-from kiwi_jax.problem import ProblemBuild, build_problem
-from kiwi_jax.sharding import Comm, reshard_comms, spec_str
+from kiwi_jax.cluster import parse_bytes
+from kiwi_jax.problem import ProblemBuild
+from kiwi_jax.sharding import Comm, reshard_comms
 import solvers
 from solvers import lynx
-from solvers.simulator import reduced_schedule, simulate
+from solvers.simulator import SimResult, reduced_schedule, simulate
 
-__all__ = ["Plan", "make_plan", "solve_plan", "solve_problem", "solve_lynx",
+__all__ = ["Plan", "solve_plan", "solve_problem", "solve_lynx",
            "plan_from_solution", "resolve_budget", "predicted_comms", "attributed_comms",
            "by_kind", "LYNX_SOLVERS"]
 
@@ -35,100 +35,190 @@ LYNX_SOLVERS = ("lynx-heu", "lynx-opt")
 collectives (:mod:`solvers.lynx`)."""
 
 
+FORMAT = 2
+"""Version of :meth:`Plan.to_json`'s layout; a plan written in another is not read back."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A solved plan for one train step on one mesh."""
+    """A solved plan for one train step on one mesh: the solver's answer, the simulator's replay
+    of it and the sharding it implies. The decisions live in ``solution`` only; the properties
+    below read them from there.
 
-    solver: str
-    """Formulation that produced it (``kiwi``, ``alpa``, ...)."""
-    status: str
-    """Solver outcome (``optimal``, ``feasible`` ...)."""
+    Figures are named by who states them: ``predicted_*`` is the simulator's replay of the plan
+    (what verify compares with the compiled step); ``objective_step_seconds`` and
+    ``claimed_peak_bytes`` are what the solver's program claims for it.
+    """
+
+    solution: solvers.Solution
+    """The solver's answer: status, objective, gap, sizes, and the decisions (strategy per node,
+    keep flags, recomputation schedule, Lynx's hidden recomputations)."""
+    simulation: SimResult
+    """The simulator's replay of the plan (step time, per-device memory timeline)."""
+    specs: tuple
+    """Output spec of every node under the plan."""
+    node_names: tuple[str, ...]
+    """Stable ids of the nodes."""
     mesh_shape: tuple[int, int]
     """Mesh the plan is for."""
     cluster: str
     """Cluster preset the costs are for."""
     budget_bytes: int
-    """Per-device memory budget the plan was solved under."""
-    strategy: np.ndarray
-    """Chosen strategy index of every graph node."""
-    keep: np.ndarray
-    """Keep flag of every node (False: a forward value dropped after the forward pass and
-    recomputed before its first backward reader)."""
-    recomputed: tuple[int, ...]
-    """Ids of the recomputed nodes."""
-    specs: tuple
-    """Output spec of every node under the plan."""
-    node_names: tuple[str, ...]
-    """Stable ids of the nodes."""
-    predicted_step_seconds: float
-    """Simulated step time (compute + communication + resharding + recomputation)."""
-    predicted_peak_bytes: int
-    """Simulated per-device peak memory."""
-    solve_seconds: float
-    """Solver wall time."""
-    objective: float
-    """Solver objective."""
+    """Per-device memory budget the plan was made for."""
     ideal_compute_seconds: float
     """Total FLOPs / (devices x peak FLOP/s)."""
     solver_budget_bytes: int | None = None
     """Budget the solver was given when it differs from ``budget_bytes``: tightened after the
     compiled step of a first plan came out over the budget (see ``kiwi_jax.optimize``)."""
-    hidden_under: dict[int, int] | None = None
-    """Lynx plans: per recomputed node hidden under a collective, the node issuing it (the
-    recomputation is placed beside that node when the step is applied with overlap)."""
-    recompute_at: dict[int, tuple[int, ...]] | None = None
-    """Per recomputed node, the stages (node ids) where the simulator recomputes it; None:
-    KIWI's reduced schedule of ``keep`` (before its first backward reader)."""
 
-    def schedule(self, problem) -> dict[int, tuple[int, ...]]:
-        """The recomputation schedule the plan was simulated with."""
-        if self.recompute_at is not None:
-            return self.recompute_at
-        return reduced_schedule(problem, self.keep)
+    # ------------------------------------------------------------ the solver's decisions
+    @property
+    def solver(self) -> str:
+        """Formulation that produced it (``kiwi``, ``alpa``, ...)."""
+        return self.solution.solver
+
+    @property
+    def status(self) -> str:
+        """Solver outcome (``optimal``, ``feasible`` ...)."""
+        return self.solution.status.value
+
+    @property
+    def strategy(self) -> np.ndarray:
+        """Chosen strategy index of every graph node."""
+        return self.solution.strategy
+
+    @property
+    def keep(self) -> np.ndarray:
+        """Keep flag of every node (False: a forward value dropped after the forward pass and
+        recomputed in the backward pass)."""
+        return self.solution.keep
+
+    @property
+    def recomputed(self) -> tuple[int, ...]:
+        """Ids of the recomputed nodes."""
+        return tuple(int(i) for i in self.solution.recomputed)
+
+    @property
+    def recompute_at(self) -> dict[int, tuple[int, ...]]:
+        """Per recomputed node, the stages (node ids) where it is recomputed."""
+        return self.solution.recompute_at or {}
+
+    @property
+    def hidden_under(self) -> dict[int, int] | None:
+        """Lynx plans: per recomputed node hidden under a collective, the node issuing it (the
+        recomputation is placed beside that node when the step is applied with overlap)."""
+        return self.solution.hidden_under
+
+    @property
+    def solve_seconds(self) -> float:
+        """Solver wall time."""
+        return self.solution.solve_seconds
+
+    # ------------------------------------------------------------ the simulator's figures
+    @property
+    def predicted_step_seconds(self) -> float:
+        """Simulated step time (compute + communication + resharding + recomputation)."""
+        return self.simulation.step_seconds
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Simulated per-device peak memory."""
+        return int(self.simulation.peak_bytes)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the decisions (strategy, keep flags, schedule, specs, node ids): two
+        plans with the same fingerprint run the same program."""
+        data = json.dumps([list(self.node_names), self.strategy.tolist(), self.keep.tolist(),
+                           sorted((k, list(v)) for k, v in self.recompute_at.items()),
+                           sorted((self.hidden_under or {}).items()),
+                           [[list(axes) for axes in spec] for spec in self.specs]])
+        return hashlib.sha256(data.encode()).hexdigest()[:16]
 
     def summary(self) -> dict:
-        return {
-            "solver": self.solver, "status": self.status, "mesh": "x".join(map(str, self.mesh_shape)),
-            "cluster": self.cluster, "budget_bytes": int(self.budget_bytes),
-            "predicted_step_seconds": self.predicted_step_seconds,
-            "predicted_peak_bytes": int(self.predicted_peak_bytes),
-            "recomputed_nodes": len(self.recomputed), "solve_seconds": self.solve_seconds,
-            "ideal_compute_seconds": self.ideal_compute_seconds,
+        """The plan's figures (no per-node arrays), as printed by the CLI."""
+        solution, sim = self.solution, self.simulation
+        out = {
+            "solver": self.solver, "backend": solution.backend, "status": self.status,
+            "mesh": "x".join(map(str, self.mesh_shape)), "cluster": self.cluster,
+            "budget_bytes": int(self.budget_bytes),
             "solver_budget_bytes": self.solver_budget_bytes,
+            "predicted_step_seconds": float(sim.step_seconds),
+            "predicted_peak_bytes": int(sim.peak_bytes),
+            "recompute_seconds": float(sim.recompute_seconds),
+            "objective_step_seconds": float(solution.objective),
+            "claimed_peak_bytes": solution.claimed_peak_bytes, "gap": float(solution.gap),
+            "recomputed_nodes": len(self.recomputed), "solve_seconds": self.solve_seconds,
+            "model_build_seconds": solution.build_seconds, "num_vars": solution.num_vars,
+            "num_constraints": solution.num_constraints,
+            "ideal_compute_seconds": self.ideal_compute_seconds,
+            "fingerprint": self.fingerprint,
         }
+        if self.hidden_under is not None:
+            out.update(overlapped_recompute_seconds=float(sim.overlapped_recompute_seconds),
+                       on_demand_recompute_seconds=float(sim.recompute_seconds),
+                       hidden_recomputations=len(self.hidden_under))
+        return out
 
     def to_json(self) -> str:
-        data = self.summary()
-        data.update(objective=self.objective, strategy=self.strategy.tolist(),
-                    keep=self.keep.tolist(),
-                    node_names=list(self.node_names),
-                    hidden_under=None if self.hidden_under is None
-                    else {str(k): v for k, v in self.hidden_under.items()},
-                    recompute_at=None if self.recompute_at is None
-                    else {str(k): list(v) for k, v in self.recompute_at.items()},
-                    specs=[[list(axes) for axes in spec] for spec in self.specs])
-        return json.dumps(data)
+        solution, sim = self.solution, self.simulation
+        data = {
+            "format": FORMAT, "specs": [[list(axes) for axes in spec] for spec in self.specs],
+            "node_names": list(self.node_names), "mesh": list(self.mesh_shape),
+            "cluster": self.cluster, "budget_bytes": int(self.budget_bytes),
+            "ideal_compute_seconds": self.ideal_compute_seconds,
+            "solver_budget_bytes": self.solver_budget_bytes,
+            "solution": {
+                **{f.name: getattr(solution, f.name) for f in dataclasses.fields(solution)
+                   if f.name not in ("status", "strategy", "keep", "recompute_at",
+                                     "hidden_under")},
+                "status": solution.status.value, "strategy": solution.strategy.tolist(),
+                "keep": solution.keep.tolist(),
+                "recompute_at": {str(k): list(v) for k, v in self.recompute_at.items()},
+                "hidden_under": None if solution.hidden_under is None
+                else {str(k): v for k, v in solution.hidden_under.items()}},
+            "simulation": {**{f.name: getattr(sim, f.name) for f in dataclasses.fields(sim)
+                              if f.name != "memory_timeline"},
+                           "memory_timeline": sim.memory_timeline.tolist()},
+        }
+        return json.dumps(data, default=_plain)
 
     @classmethod
-    def from_json(cls, text: str, ideal: float = 0.0) -> "Plan":
+    def from_json(cls, text: str) -> "Plan":
+        """The plan :meth:`to_json` wrote.
+
+        Raises:
+          ValueError: the text is of another format version (written by another kiwi-jax).
+        """
         data = json.loads(text)
-        keep = np.array(data["keep"], bool)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"plan format {data.get('format', 1)}, this kiwi-jax reads "
+                             f"format {FORMAT}")
+        raw = dict(data["solution"])
+        hidden = raw.pop("hidden_under")
+        solution = solvers.Solution(
+            **raw | {"status": solvers.Status(raw["status"]),
+                     "strategy": np.array(raw["strategy"], np.int64),
+                     "keep": np.array(raw["keep"], bool),
+                     "recompute_at": {int(k): tuple(int(t) for t in v)
+                                      for k, v in raw["recompute_at"].items()}},
+            hidden_under=None if hidden is None else {int(k): int(v) for k, v in hidden.items()})
+        sim = dict(data["simulation"])
+        sim["memory_timeline"] = np.array(sim["memory_timeline"], np.int64)
         return cls(
-            solver=data["solver"], status=data["status"],
-            mesh_shape=tuple(int(v) for v in data["mesh"].split("x")), cluster=data["cluster"],
-            budget_bytes=data["budget_bytes"], strategy=np.array(data["strategy"]), keep=keep,
-            recomputed=tuple(int(i) for i in np.flatnonzero(~keep)),
+            solution=solution, simulation=SimResult(**sim),
             specs=tuple(tuple(tuple(a) for a in spec) for spec in data["specs"]),
-            node_names=tuple(data["node_names"]),
-            hidden_under=None if data.get("hidden_under") is None
-            else {int(k): int(v) for k, v in data["hidden_under"].items()},
-            recompute_at=None if data.get("recompute_at") is None
-            else {int(k): tuple(int(t) for t in v) for k, v in data["recompute_at"].items()},
-            predicted_step_seconds=data["predicted_step_seconds"],
-            predicted_peak_bytes=data["predicted_peak_bytes"],
-            solve_seconds=data["solve_seconds"], objective=data.get("objective", 0.0),
-            ideal_compute_seconds=data.get("ideal_compute_seconds", ideal),
-            solver_budget_bytes=data.get("solver_budget_bytes"))
+            node_names=tuple(data["node_names"]), mesh_shape=tuple(data["mesh"]),
+            cluster=data["cluster"], budget_bytes=data["budget_bytes"],
+            ideal_compute_seconds=data["ideal_compute_seconds"],
+            solver_budget_bytes=data["solver_budget_bytes"])
+
+
+def _plain(value):
+    """numpy scalars as Python numbers, for ``json.dumps``."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to a plan file")
 
 
 def resolve_budget(budget, problem, **options) -> int:
@@ -191,17 +281,6 @@ def by_kind(comms) -> dict:
     return dict(table)
 
 
-def make_plan(traced: TracedStep, mesh, cluster, memory_budget, solver: str = "kiwi",
-              merge: bool = True, **options) -> tuple[Plan, ProblemBuild]:
-    """Build the problem of a traced step, solve it and simulate the result.
-
-    Raises:
-      solvers.InfeasibleBudgetError: no plan fits; the message names the smallest budget that does.
-    """
-    build = build_problem(traced.graph, MeshSpec.parse(mesh), Cluster.parse(cluster), merge=merge)
-    return solve_plan(build, memory_budget, solver, **options), build
-
-
 def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **options) -> Plan:
     """Solve a built problem under a budget (bytes, ``"6GiB"`` or ``"80%"``) and simulate the
     result. ``options`` go to :func:`solvers.solve`."""
@@ -236,30 +315,20 @@ def solve_lynx(problem, budget: int, solver: str = "lynx-heu", backend: str = "h
                          mip_gap=mip_gap, warm_start=heu)
 
 
-def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: int) -> Plan:
+def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: int,
+                       solver_budget: int | None = None) -> Plan:
     """The plan of a solver's answer, simulated on the problem (Lynx plans with the overlap
-    credit)."""
+    credit); ``solver_budget``: the budget the solver was given, when not ``budget``."""
     problem = build.problem
+    if solution.recompute_at is None:
+        solution = dataclasses.replace(solution,
+                                       recompute_at=reduced_schedule(problem, solution.keep))
     sim = simulate(problem, solution.strategy, recompute_at=solution.recompute_at,
                    overlap=solution.hidden_under is not None)
     return Plan(
-        solver=solution.solver, status=str(solution.status.name.lower()),
-        mesh_shape=build.mesh.shape,
-        cluster=build.cluster.name, budget_bytes=budget, strategy=np.asarray(solution.strategy),
-        keep=np.asarray(solution.keep),
-        recomputed=tuple(int(i) for i in solution.recomputed),
+        solution=solution, simulation=sim,
         specs=tuple(build.strategies[i][int(s)].out for i, s in enumerate(solution.strategy)),
-        node_names=problem.names, predicted_step_seconds=float(sim.step_seconds),
-        predicted_peak_bytes=int(sim.peak_bytes), solve_seconds=float(solution.solve_seconds),
-        objective=float(solution.objective), ideal_compute_seconds=problem.ideal_compute_seconds(),
-        hidden_under=solution.hidden_under,
-        recompute_at={int(i): tuple(int(t) for t in ts)
-                      for i, ts in solution.recompute_at.items()})
-
-
-def describe_node(build: ProblemBuild, plan: Plan, node_id: int) -> str:
-    """One line: node, opcode, shape, spec, kept or recomputed."""
-    node = build.graph.nodes[node_id]
-    state = "recompute" if node_id in set(plan.recomputed) else "keep"
-    return (f"{node.name:40s} {node.opcode:12s} {str(node.shape):22s} "
-            f"{spec_str(plan.specs[node_id]):10s} {state}")
+        node_names=problem.names, mesh_shape=build.mesh.shape, cluster=build.cluster.name,
+        budget_bytes=int(budget), ideal_compute_seconds=problem.ideal_compute_seconds(),
+        solver_budget_bytes=None if solver_budget is None or solver_budget == budget
+        else int(solver_budget))

@@ -21,7 +21,7 @@ from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at
                                 placements)
 from hlo_tools.graph import Phase
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
-from kiwi_jax.optimize import compiler_options
+from kiwi_jax.compile import Prepared, compiler_options
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 from solvers.simulator import live_bytes, simulate
@@ -158,7 +158,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def carried_comms(prepared) -> list:
+def carried_comms(prepared: Prepared) -> list:
     """Resharding of updated state leaves whose planned spec differs from the input's (the
     updated state keeps the input's sharding so the next step reads it in place)."""
     if prepared.state_out is None:
@@ -176,7 +176,7 @@ def carried_comms(prepared) -> list:
     return comms
 
 
-def _operator_disagreements(prepared, attributed, carried, found) -> tuple:
+def _operator_disagreements(prepared: Prepared, attributed, carried, found) -> tuple:
     """Per equation path, predicted (``attributed_comms`` and the carried state's resharding)
     vs compiled collective bytes, where they disagree."""
     graph = prepared.traced.graph
@@ -190,11 +190,11 @@ def _operator_disagreements(prepared, attributed, carried, found) -> tuple:
     return _disagreeing(graph, predicted, compiled, 0.005 * total)
 
 
-def _memory_disagreements(prepared, live) -> tuple:
+def _memory_disagreements(prepared: Prepared, live) -> tuple:
     """Per equation path, bytes alive at the predicted peak (the simulator's live set) vs at
     the compiled peak (``live``: XLA's live buffers), where they disagree."""
     graph, plan, problem = prepared.traced.graph, prepared.plan, prepared.build.problem
-    schedule = plan.schedule(problem)
+    schedule = plan.recompute_at
     peak = simulate(problem, plan.strategy, recompute_at=schedule).peak_time
     alive = live_bytes(problem, plan.strategy, peak, schedule)
     predicted, compiled = collections.Counter(), collections.Counter()
@@ -256,7 +256,7 @@ def _run(step, args, steps: int, state_out):
     return args[0], others
 
 
-def compare_numerics(prepared, pure, steps: int) -> tuple[float, float]:
+def compare_numerics(prepared: Prepared, pure, steps: int) -> tuple[float, float]:
     """(state, loss/metrics) max relative differences of the applied vs the plain step."""
     plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
     placed = jax.device_put(_copy(pure.args), prepared.in_shardings)
@@ -264,7 +264,7 @@ def compare_numerics(prepared, pure, steps: int) -> tuple[float, float]:
     return max_rel_diff(opt_state, plain_state), max_rel_diff(opt_out, plain_out)
 
 
-def verify_prepared(prepared, mesh, pure=None, steps: int = 3,
+def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
                     explain_memory: bool | None = None) -> VerifyReport:
     """Check a prepared (planned, applied, compiled) step; see the module docstring.
 
@@ -306,7 +306,7 @@ def verify_prepared(prepared, mesh, pure=None, steps: int = 3,
     return report
 
 
-def overlap_placements(prepared) -> list:
+def overlap_placements(prepared: Prepared) -> list:
     """Where the compiled, scheduled step runs the recomputations a Lynx plan hides under
     collectives: per recomputation (found by its ``lynx_overlap`` name scope, fused or not),
     the next collective issued for one of the plan's anchors and the collectives in between.

@@ -97,8 +97,8 @@ def test_memory_at_both_peaks_is_attributed_to_operators(mesh24):
     # Given the plan's own live set as XLA's, nothing disagrees; one buffer more shows up alone.
     prepared = step.prepared
     plan, problem, graph = prepared.plan, prepared.build.problem, prepared.traced.graph
-    peak = solvers.simulate(problem, plan.strategy, recompute_at=plan.schedule(problem)).peak_time
-    alive = live_bytes(problem, plan.strategy, peak, plan.schedule(problem))
+    peak = solvers.simulate(problem, plan.strategy, recompute_at=plan.recompute_at).peak_time
+    alive = live_bytes(problem, plan.strategy, peak, plan.recompute_at)
     mirror = [LiveBuffer(node.name, int(b), node.op_name, node.phase == Phase.PARAM)
               for node, b in zip(graph.nodes, alive) if b]
     assert _memory_disagreements(prepared, mirror) == ()
@@ -147,10 +147,10 @@ def test_plans_are_cached_and_corrupt_entries_ignored(tmp_path, mesh24):
     assert np.array_equal(again.plan.strategy, first.plan.strategy)
     entries[0].write_text("{not json")
     third, _ = _step("mlp", mesh24, **options)
-    with pytest.warns(UserWarning, match="corrupt plan cache entry"):
+    with pytest.warns(UserWarning, match="unreadable plan cache entry"):
         third.lower(*args)
     assert not third.prepared.cached
-    assert json.loads(entries[0].read_text())["solver"] == "kiwi"   # rewritten
+    assert json.loads(entries[0].read_text())["solution"]["solver"] == "kiwi"   # rewritten
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one(mesh24):

@@ -1,0 +1,115 @@
+"""Compile a plan: the applied step under ``jax.jit`` with the plan's shardings, and what was
+made for one argument signature.
+
+This module sits between planning (``kiwi_jax.plan``) and its users (``kiwi_jax.optimize``,
+``kiwi_jax.verify``, the experiments), which all compile plans the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from hlo_tools.compiled import MemoryStats, device_memory
+from kiwi_jax.apply import TracedStep, applied_function
+from kiwi_jax.plan import Plan
+from kiwi_jax.problem import ProblemBuild
+from kiwi_jax.step import PureStep
+
+__all__ = ["KEEP_REMAT", "CompiledPlan", "Prepared", "compile_plan", "compiler_options"]
+
+KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+"""Compiler options that keep recomputation on the CPU backend, whose CSE otherwise merges a
+recomputed value with its original (see docs/apply.md)."""
+
+
+def compiler_options() -> dict:
+    """Options that keep the plan's recomputation in the compiled step on this backend."""
+    return dict(KEEP_REMAT) if jax.default_backend() == "cpu" else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan:
+    """A plan applied to a traced step and compiled for one set of argument shapes."""
+
+    in_shardings: tuple
+    """NamedSharding per argument leaf tree, as the jitted step takes them."""
+    out_shardings: tuple
+    """NamedSharding per output; the updated state keeps the input state's."""
+    state_out: int | None
+    """Position of the updated train state among the outputs (None: not carried)."""
+    jitted: object
+    """The applied step under ``jax.jit`` with the plan's shardings."""
+    compiled: object
+    """Its compiled executable."""
+
+    @property
+    def memory(self) -> MemoryStats:
+        """Per-device memory of the compiled step (argument + output + temp - alias)."""
+        return device_memory(self.compiled)
+
+
+def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
+                 state_out: int | None = None, donate: bool = True,
+                 overlap: bool = True) -> CompiledPlan:
+    """Apply ``plan`` to the traced step and compile it for ``abstract``'s argument shapes.
+
+    Args:
+      state_out: position of the updated state among the outputs (see carried_state): it gets
+        the input state's layout and, with ``donate``, reuses its buffers.
+      overlap: place the recomputations a Lynx plan hides under collectives beside them.
+    """
+    fn, in_shardings, out_shardings = applied_function(
+        traced, list(plan.specs), plan.recomputed, mesh,
+        beside=plan.hidden_under if overlap else None)
+    donate_argnums = ()
+    if state_out is not None:
+        out_list = list(out_shardings)
+        out_list[state_out] = in_shardings[0]           # the state keeps its layout
+        out_shardings = tuple(out_list)
+        donate_argnums = (0,) if donate else ()
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                     donate_argnums=donate_argnums, keep_unused=True)
+    compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
+    return CompiledPlan(tuple(in_shardings), tuple(out_shardings), state_out, jitted, compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything made for one argument signature: traced, planned, applied and compiled."""
+
+    traced: TracedStep
+    """The traced step (graph, jaxpr, the pure function and its abstract arguments)."""
+    build: ProblemBuild
+    """The costed problem the plan was solved on."""
+    plan: Plan
+    """The plan that runs."""
+    applied: CompiledPlan
+    """The plan applied and compiled."""
+    plan_seconds: float
+    """Tracing and planning wall time (the plan cache's load when cached)."""
+    compile_seconds: float
+    """Applying and compiling wall time (every compile of the fitting rounds)."""
+    cached: bool
+    """The plan came from the disk cache."""
+
+    @property
+    def in_shardings(self) -> tuple:
+        return self.applied.in_shardings
+
+    @property
+    def out_shardings(self) -> tuple:
+        return self.applied.out_shardings
+
+    @property
+    def state_out(self) -> int | None:
+        return self.applied.state_out
+
+    @property
+    def jitted(self):
+        return self.applied.jitted
+
+    @property
+    def compiled(self):
+        return self.applied.compiled
