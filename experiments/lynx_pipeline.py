@@ -160,7 +160,7 @@ def throughput(shapes, clusters, micro_batch_sizes, stages, micro_batches, budge
                     results[method, policy] = partition(profile, stages, micro_batches, budget,
                                                         method=method, policy=policy)
                 base, selective = results["even", "full"], results["even", "selective"]
-                for (method, policy), result in results.items():
+                for result in results.values():
                     rows.append({"model": name, "cluster": cluster, "micro_batch": micro_batch,
                                  **result.summary(),
                                  "vs_full_recompute": result.throughput / base.throughput

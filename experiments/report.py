@@ -124,7 +124,7 @@ def optimality_table(result: dict) -> str:
     for r in result["rows"]:
         paper = KIWI_TABLE1[r["budget_fraction"]]
 
-        def cell(key, ci=None, missing="-"):
+        def cell(key, ci=None, missing="-", r=r):
             if r.get(key) is None:
                 return missing
             return f"{r[key]:.3f}" + (f" ± {r[ci]:.2f}" if ci and r.get(ci) else "")

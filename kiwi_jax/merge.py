@@ -40,7 +40,7 @@ def merge_followers(problem: ShardingProblem) -> ShardingProblem:
     leader = np.arange(n)
     follow = [np.arange(len(c)) for c in problem.compute]
     incoming: dict[int, list[int]] = {}
-    for e, (src, dst, _slot) in enumerate(problem.edges):
+    for e, (_src, dst, _slot) in enumerate(problem.edges):
         incoming.setdefault(int(dst), []).append(e)
     param = PHASES.index("param")
     k = problem.num_strategies

@@ -218,14 +218,14 @@ def _dot(ctx: _Ctx) -> list[Strategy]:
                                               for a, r in role.items()})
         contracting = [tuple(a for a in axes if role[a] == out_rank + k) for k in range(len(lc))]
         lhs_spec, rhs_spec = [()] * lhs.rank, [()] * rhs.rank
-        for i, (l, r) in enumerate(zip(lb, rb)):
-            lhs_spec[l] = rhs_spec[r] = out[i]
-        for j, l in enumerate(lf):
-            lhs_spec[l] = out[len(lb) + j]
-        for j, r in enumerate(rf):
-            rhs_spec[r] = out[len(lb) + len(lf) + j]
-        for k, (l, r) in enumerate(zip(lc, rc)):
-            lhs_spec[l] = rhs_spec[r] = contracting[k]
+        for i, (ld, rd) in enumerate(zip(lb, rb)):
+            lhs_spec[ld] = rhs_spec[rd] = out[i]
+        for j, ld in enumerate(lf):
+            lhs_spec[ld] = out[len(lb) + j]
+        for j, rd in enumerate(rf):
+            rhs_spec[rd] = out[len(lb) + len(lf) + j]
+        for k, (ld, rd) in enumerate(zip(lc, rc)):
+            lhs_spec[ld] = rhs_spec[rd] = contracting[k]
         lhs_spec, rhs_spec = tuple(lhs_spec), tuple(rhs_spec)
         key = (out, lhs_spec, rhs_spec)
         if key in seen or not (ctx.divides(node.shape.dims, out) and

@@ -171,7 +171,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
 
     objective = [] if minimize_peak else list(cost)
     ub = np.ones(model.num_vars)
-    for (t, i), index in a.items():
+    for (_t, i), index in a.items():
         if minimize_peak:
             break
         big = cost[i].upper(ub)

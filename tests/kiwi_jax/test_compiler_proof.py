@@ -41,7 +41,9 @@ def _strategies(name):
 
 
 def _compiled_collectives(fn, args, in_specs, out_spec, mesh):
-    shard = lambda spec: NamedSharding(mesh, to_partition_spec(spec, mesh.axis_names))
+    def shard(spec):
+        return NamedSharding(mesh, to_partition_spec(spec, mesh.axis_names))
+
     compiled = jax.jit(fn, in_shardings=tuple(shard(s) for s in in_specs),
                        out_shardings=shard(out_spec)).lower(*args).compile()
     found = collectives(compiled.as_text(), np.arange(8).reshape(2, 4))
