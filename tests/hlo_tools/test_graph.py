@@ -13,6 +13,7 @@ from hlo_tools.lower import lower_to_graph, lower_to_hlo
 from kiwi_jax.frontend import trace_step
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.models import build
+from kiwi_jax.problem import build_problem
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,14 @@ def test_liveness_sets_partition_the_nodes(gpt_graph):
     n = len(gpt_graph)
     forward = np.array([node.phase == Phase.FORWARD for node in gpt_graph.nodes])
     assert live.z.sum() > 0 and not live.z[~forward].any()
-    x_sets, l_sets, y_sets = live.sets("X"), live.sets("L"), live.sets("Y")
+    # L_t is defined on forward nodes exactly, so Y_t (the others) is the same whether read
+    # from the phases (the problem's sets) or from fwd_last_use < 0.
+    assert np.array_equal(live.fwd_last_use >= 0, forward)
+    problem = build_problem(gpt_graph, "2x4", "v100-nvlink", merge=False,
+                            memory_model="operator").problem
+    for field in ("z", "live", "fwd_last_use", "first_bwd_use"):
+        assert np.array_equal(getattr(problem, field), getattr(live, field)), field
+    x_sets, l_sets, y_sets = problem.sets("X"), problem.sets("L"), problem.sets("Y")
     in_x = sorted(i for v in x_sets.values() for i in v)
     assert in_x == sorted(np.flatnonzero(live.z))          # each recomputable node in one X_t
     assert sorted(i for v in l_sets.values() for i in v) == sorted(np.flatnonzero(forward))
@@ -169,7 +177,8 @@ def test_liveness_sets_partition_the_nodes(gpt_graph):
         assert gpt_graph.nodes[t].phase in (Phase.BACKWARD, Phase.OPTIMIZER)
         assert all(live.first_bwd_use[i] == t and t in gpt_graph.users[i] for i in members)
     assert all(live.live[i] == n for i in gpt_graph.outputs)
-    assert all(not forward[i] for v in y_sets.values() for i in v)
+    assert sorted(i for v in y_sets.values() for i in v) == sorted(np.flatnonzero(~forward))
+    assert all(live.live[i] == t for t, members in y_sets.items() for i in members)
 
 
 def test_lowering_allocates_nothing():
