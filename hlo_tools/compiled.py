@@ -208,10 +208,10 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
             if missing:
                 raise HloParseError(f"expected the operands {missing} of {instr.name!r} to be "
                                     f"defined in {computation.name!r}, found no definition")
-            operand_bytes = sum(defined[op].shape.nbytes for op in instr.operands)
-            if kind == "collective-permute":
-                found.append(Collective(kind, (), 0, operand_bytes, instr.name, instr.shape.text,
-                                        instr.op_name))
+            operand_bytes = [defined[op].shape.nbytes for op in instr.operands]
+            if kind == "collective-permute":      # the buffer sent (later operands: in place)
+                found.append(Collective(kind, (), 0, operand_bytes[0], instr.name,
+                                        instr.shape.text, instr.op_name))
                 continue
             value = instr.attrs.get("replica_groups")
             groups = (_replica_groups(value) if value is not None else None) \
@@ -221,7 +221,7 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
                 raise HloParseError(f"expected equal-sized replica groups in {instr.name!r}, "
                                     f"found sizes {sorted(sizes)}")
             group_size = sizes.pop()
-            nbytes = operand_bytes * (group_size if kind == "all-gather" else 1)
+            nbytes = sum(operand_bytes) * (group_size if kind == "all-gather" else 1)
             found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes,
                                     instr.name, instr.shape.text, instr.op_name))
     return tuple(found)
