@@ -1,8 +1,9 @@
 """Analysis of compiled, SPMD-partitioned XLA modules on a device mesh.
 
 Extracts the collectives of a partitioned module from its HLO text
-(``compiled.as_text()``), maps their replica groups onto the axes of the
-device mesh, and reads per-device memory statistics.
+(``compiled.as_text()``, read with :func:`hlo_tools.hlo_text.parse_module`, whose
+shapes give the bytes), maps their replica groups onto the axes of the device mesh,
+and reads per-device memory statistics.
 
 Id-space assumption: in an SPMD-partitioned module (``num_partitions`` > 1,
 one replica) replica groups are partition ids, whether the collective is in
@@ -28,13 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from hlo_tools.hlo_text import HloParseError, parse_module
+from hlo_tools.hlo_text import HloParseError, _matching, _split_top_level, parse_module
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<rest>.*)$")
-_OPCODE_RE = re.compile(r"\s*(?P<opcode>[\w\-]+)\(")
-_ARRAY_RE = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
 _IOTA_RE = re.compile(r"\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 _MESH_RE = re.compile(
     r"mesh\[(?P<axes>[^\]]*)\]"
@@ -43,13 +41,6 @@ _MESH_RE = re.compile(
 _MESH_AXIS_RE = re.compile(r"'?(?P<name>[^'=,\s]+)'?=(?P<size>\d+)")
 _AXIS_REF_RE = re.compile(r"'?(?P<name>[^':,\s]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 _DEVICE_IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
-_BITS = {"pred": 8, "token": 0, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-         "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
-         "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
-
-
-_COMMENT_RE = re.compile(r"/\*.*?\*/")
-_OP_NAME_RE = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 
 
 class CompiledAnalysisError(ValueError):
@@ -73,7 +64,7 @@ class Collective:
     name: str
     """Instruction name, without the leading ``%``."""
     shape: str
-    """Result shape as printed in the HLO text (layouts included)."""
+    """Result shape with its layouts, as the HLO text prints it (``Shape.text``)."""
     op_name: str = ""
     """The instruction's ``metadata={op_name=...}`` (the jax source it came from), or ""."""
 
@@ -99,51 +90,6 @@ class MemoryStats:
 
 def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
-
-
-def _matching(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``text[start]``."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
-    stack = []
-    for i in range(start, len(text)):
-        if text[i] in pairs:
-            stack.append(pairs[text[i]])
-        elif stack and text[i] == stack[-1]:
-            stack.pop()
-            if not stack:
-                return i
-    raise HloParseError(f"expected a bracket closing {text[start]!r} at {start}, found none in {text[:80]!r}")
-
-
-def _split_top(text: str) -> list[str]:
-    """Splits ``text`` at commas outside brackets."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur).strip())
-    return [p for p in parts if p]
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape string, summed over tuple elements."""
-    total = 0
-    for m in _ARRAY_RE.finditer(shape):
-        dtype = m["dtype"]
-        if dtype in _BITS:
-            bits = _BITS[dtype]
-        elif re.fullmatch(r"f[468]e\w+", dtype):  # f8e4m3fn, f6e2m3fn, f4e2m1fn, ...
-            bits = int(dtype[1])
-        else:
-            raise HloParseError(f"expected an XLA element type, found {dtype!r} in {shape!r}")
-        dims = [int(d.replace("<=", "")) for d in m["dims"].split(",") if d.strip()]
-        total += math.ceil(bits * math.prod(dims) / 8)
-    return total
 
 
 def _iota(shape: Sequence[int], dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
@@ -200,10 +146,14 @@ def parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
     pos = attrs.find("replica_groups=")
     if pos < 0:
         return None
-    value = attrs[pos + len("replica_groups="):]
+    return _replica_groups(attrs[pos + len("replica_groups="):])
+
+
+def _replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of a ``replica_groups`` value (see :func:`parse_replica_groups`)."""
     if value.startswith("{"):
         inner = value[1:_matching(value, 0)]
-        return tuple(tuple(_ints(g.strip("{}"))) for g in _split_top(inner))
+        return tuple(tuple(_ints(g.strip("{}"))) for g in _split_top_level(inner))
     if iota := _IOTA_RE.match(value):
         arr = _iota(_ints(iota["shape"]), _ints(iota["dims"]), iota["perm"] and _ints(iota["perm"]))
         return tuple(tuple(int(d) for d in row) for row in arr)
@@ -227,20 +177,6 @@ def _axes_of(groups: Iterable[Iterable[int]], mesh_ids: np.ndarray) -> tuple[int
     return ()
 
 
-def _operand_bytes(operands: str, symbols: dict[str, str], name: str) -> list[int]:
-    sizes = []
-    for op in _split_top(operands):
-        op = _COMMENT_RE.sub("", op).strip()
-        if _ARRAY_RE.search(op) or op.startswith("("):
-            sizes.append(shape_bytes(op.rsplit(" ", 1)[0]))
-            continue
-        ref = op.split()[-1].lstrip("%")
-        if ref not in symbols:
-            raise HloParseError(f"expected operand {ref!r} of {name!r} to be defined earlier, found no definition")
-        sizes.append(shape_bytes(symbols[ref]))
-    return sizes
-
-
 def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective, ...]:
     """Lists the collectives of a partitioned module, in text order.
 
@@ -257,43 +193,37 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
       One ``Collective`` per collective instruction.
 
     Raises:
-      HloParseError: If a collective's text is malformed.
+      HloParseError: If the text is not an HLO module, or a collective is malformed or reads
+        an operand its computation does not define.
     """
     mesh_ids = np.asarray(mesh_device_ids)
-    found, seen, symbols, computation = [], set(), {}, ""
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and " = " not in line:
-            computation, symbols = line.strip(), {}
-            continue
-        if not (m := _INSTR_RE.match(line)):
-            continue
-        name, rest = m["name"], m["rest"]
-        shape_end = _matching(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-        if shape_end <= 0:
-            continue
-        shape = rest[:shape_end]
-        symbols[name] = shape
-        op = _OPCODE_RE.match(rest, shape_end)
-        if not op or (computation, name) in seen:
-            continue
-        kind = op["opcode"].removesuffix("-start")  # "-done" halves never match KINDS
-        if kind not in KINDS:
-            continue
-        seen.add((computation, name))
-        close = _matching(rest, op.end() - 1)
-        operand_sizes = _operand_bytes(rest[op.end():close], symbols, name)
-        op_name = m_name["op_name"] if (m_name := _OP_NAME_RE.search(rest, close)) else ""
-        if kind == "collective-permute":
-            found.append(Collective(kind, (), 0, operand_sizes[0], name, shape, op_name))
-            continue
-        groups = parse_replica_groups(rest[close:]) or (tuple(sorted(int(d) for d in mesh_ids.flat)),)
-        sizes = {len(g) for g in groups}
-        if len(sizes) != 1:
-            raise HloParseError(f"expected equal-sized replica groups in {name!r}, found sizes {sorted(sizes)}")
-        group_size = sizes.pop()
-        nbytes = sum(operand_sizes) * (group_size if kind == "all-gather" else 1)
-        found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes, name, shape,
-                                op_name))
+    found = []
+    for computation in parse_module(hlo_text).computations.values():
+        defined = computation.by_name()
+        for instr in computation.instructions:
+            kind = instr.opcode.removesuffix("-start")  # "-done" halves never match KINDS
+            if kind not in KINDS:
+                continue
+            missing = [op for op in instr.operands if op not in defined]
+            if missing:
+                raise HloParseError(f"expected the operands {missing} of {instr.name!r} to be "
+                                    f"defined in {computation.name!r}, found no definition")
+            operand_bytes = [defined[op].shape.nbytes for op in instr.operands]
+            if kind == "collective-permute":      # the buffer sent (later operands: in place)
+                found.append(Collective(kind, (), 0, operand_bytes[0], instr.name,
+                                        instr.shape.text, instr.op_name))
+                continue
+            value = instr.attrs.get("replica_groups")
+            groups = (_replica_groups(value) if value is not None else None) \
+                or (tuple(sorted(int(d) for d in mesh_ids.flat)),)
+            sizes = {len(g) for g in groups}
+            if len(sizes) != 1:
+                raise HloParseError(f"expected equal-sized replica groups in {instr.name!r}, "
+                                    f"found sizes {sorted(sizes)}")
+            group_size = sizes.pop()
+            nbytes = sum(operand_bytes) * (group_size if kind == "all-gather" else 1)
+            found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes,
+                                    instr.name, instr.shape.text, instr.op_name))
     return tuple(found)
 
 

@@ -79,10 +79,6 @@ class Node:
         """Bytes of the full (unsharded) result."""
         return self.shape.nbytes
 
-    @property
-    def instruction_name(self) -> str:
-        return self.name.rsplit("/", 1)[-1]
-
     def int_list(self, key: str) -> tuple[int, ...]:
         raw = self.attrs.get(key, "").strip("{} ")
         return tuple(int(v) for v in raw.split(",") if v.strip())

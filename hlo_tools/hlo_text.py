@@ -23,19 +23,27 @@ __all__ = [
     "HloModule",
     "parse_module",
     "parse_shape",
-    "DTYPE_BYTES",
+    "DTYPE_BITS",
 ]
 
-DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "token": 0,
+DTYPE_BITS = {
+    "pred": 8, "token": 0, "opaque": 64,
+    "s1": 1, "s2": 2, "s4": 4, "s8": 8, "s16": 16, "s32": 32, "s64": 64,
+    "u1": 1, "u2": 2, "u4": 4, "u8": 8, "u16": 16, "u32": 32, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+    "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8,
+    "f8e4m3fnuz": 8, "f8e3m4": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
 }
+"""Bits per element of every element type XLA prints in HLO text (``xla::PrimitiveType`` in
+lower case, ``OPAQUE_TYPE`` as ``opaque``). ``pred`` is stored in a byte; sub-byte types are
+packed (XLA lays them out with ``E(bits)``, e.g. ``s4[3]{0:E(4)}``, 2 bytes); a ``token`` holds
+nothing and an ``opaque`` value is a pointer (XLA's ``ShapeUtil::ByteSizeOf``, 64-bit host)."""
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{\s*$")
 _INSTR_START = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_ARRAY_SHAPE = re.compile(r"^([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_ARRAY_SHAPE = re.compile(r"^([a-z][a-z0-9]*)\[([0-9,<=]*)\](\{[^}]*\})?")
 _COMMENT = re.compile(r"^\s*/\*.*?\*/")
+_ANY_COMMENT = re.compile(r"/\*.*?\*/")
 _OPCODE = re.compile(r"^([a-z][\w\-]*)\(")
 
 
@@ -50,9 +58,14 @@ class Shape:
     dtype: str
     """Element type as HLO spells it (``f32``, ``s32``, ``pred``); ``"tuple"`` for tuples."""
     dims: tuple[int, ...] = ()
-    """Dimension sizes (empty for scalars and tuples)."""
+    """Dimension sizes (empty for scalars and tuples); a bounded dynamic dimension (``<=8``)
+    counts at its bound."""
     elements: tuple["Shape", ...] = ()
     """Element shapes of a tuple (empty for arrays)."""
+    layout: str = dataclasses.field(default="", compare=False)
+    """The layout as printed after the dimensions, braces included (``{1,0}``,
+    ``{1,0:T(8,128)}``, ``{0:E(4)}``); empty when none is printed and for tuples. Not part of
+    equality: two shapes with the same type and dimensions are equal."""
 
     @property
     def is_tuple(self) -> bool:
@@ -69,13 +82,21 @@ class Shape:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the value (summed over tuple elements)."""
+        """Bytes of the value, summed over tuple elements; sub-byte elements are packed:
+        ``ceil(bits x elements / 8)`` (see :data:`DTYPE_BITS`)."""
         if self.is_tuple:
             return sum(e.nbytes for e in self.elements)
-        if self.dtype not in DTYPE_BYTES:
-            raise HloParseError(f"unknown element type {self.dtype!r}; expected one of "
-                                f"{sorted(DTYPE_BYTES)}")
-        return self.size * DTYPE_BYTES[self.dtype]
+        if self.dtype not in DTYPE_BITS:
+            raise HloParseError(f"expected an XLA element type ({', '.join(DTYPE_BITS)}), found "
+                                f"{self.dtype!r}; add it to DTYPE_BITS with its width in bits")
+        return (DTYPE_BITS[self.dtype] * self.size + 7) // 8
+
+    @property
+    def text(self) -> str:
+        """The shape with its layouts, as HLO prints it (without tuple index comments)."""
+        if self.is_tuple:
+            return "(" + ", ".join(e.text for e in self.elements) + ")"
+        return f"{self}{self.layout}"
 
     def __str__(self) -> str:
         if self.is_tuple:
@@ -98,7 +119,7 @@ class Instruction:
     attrs: dict
     """Raw attribute strings by key (``dimensions``, ``to_apply``, ``lhs_contracting_dims`` ...);
     ``parameter`` keeps its number under ``"number"`` and ``constant`` its literal under
-    ``"literal"``."""
+    ``"literal"``; mesh-axes ``replica_groups`` keep their ``device_ids=`` part."""
     is_root: bool = False
     """True for the computation's ROOT instruction."""
 
@@ -173,37 +194,48 @@ def _split_top_level(text: str, sep: str = ",") -> list[str]:
     return parts
 
 
-def _matching_paren(text: str, open_pos: int) -> int:
-    """Index of the parenthesis closing the one at ``open_pos``."""
-    depth, quoted = 0, False
+def _matching(text: str, open_pos: int) -> int:
+    """Index of the bracket (``(``, ``[`` or ``{``) closing the one at ``open_pos``; quoted
+    text is skipped."""
+    closing = {"(": ")", "[": "]", "{": "}"}
+    stack: list[str] = []
+    quoted = False
     for pos in range(open_pos, len(text)):
         char = text[pos]
-        if char == '"':
+        if char == '"' and (pos == 0 or text[pos - 1] != "\\"):
             quoted = not quoted
         elif quoted:
             continue
-        elif char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth == 0:
+        elif char in closing:
+            stack.append(closing[char])
+        elif stack and char == stack[-1]:
+            stack.pop()
+            if not stack:
                 return pos
-    raise HloParseError(f"unbalanced parentheses in {text[open_pos:open_pos + 80]!r}")
+    raise HloParseError(f"expected a bracket closing {text[open_pos:open_pos + 1]!r}, found none "
+                        f"in {text[open_pos:open_pos + 80]!r}")
 
 
 def parse_shape(text: str) -> tuple[Shape, str]:
-    """Parse a shape at the start of ``text``; return it and the remaining text."""
+    """Parse a shape at the start of ``text``; return it and the remaining text.
+
+    A tuple's elements may carry the ``/*index=5*/`` comments XLA prints in long tuples, and
+    arrays a layout with tiles (``{1,0:T(8,128)}``), element size (``E(4)``) or memory space.
+
+    Raises:
+      HloParseError: ``text`` does not start with a shape.
+    """
     text = _COMMENT.sub("", text, count=1) if text.lstrip().startswith("/*") else text
     text = text.lstrip()
     if text.startswith("("):
-        close = _matching_paren(text, 0)
+        close = _matching(text, 0)
         elements = tuple(parse_shape(part)[0] for part in _split_top_level(text[1:close]))
         return Shape("tuple", (), elements), text[close + 1:]
     match = _ARRAY_SHAPE.match(text)
     if not match:
         raise HloParseError(f"expected a shape such as f32[2,3]{{1,0}}, found {text[:60]!r}")
-    dims = tuple(int(d) for d in match.group(2).split(",") if d)
-    return Shape(match.group(1), dims), text[match.end():]
+    dims = tuple(int(d.removeprefix("<=")) for d in match.group(2).split(",") if d)
+    return Shape(match.group(1), dims, layout=match.group(3) or ""), text[match.end():]
 
 
 def _parse_instruction(line: str) -> Instruction:
@@ -217,7 +249,7 @@ def _parse_instruction(line: str) -> Instruction:
         raise HloParseError(f"expected an opcode after the shape in {line.strip()[:100]!r}")
     opcode = opcode_match.group(1)
     open_pos = opcode_match.end() - 1
-    close = _matching_paren(rest, open_pos)
+    close = _matching(rest, open_pos)
     inside = rest[open_pos + 1:close]
     attrs: dict[str, str] = {}
     operands: tuple[str, ...] = ()
@@ -226,11 +258,21 @@ def _parse_instruction(line: str) -> Instruction:
     elif opcode == "constant":
         attrs["literal"] = inside.strip()
     else:
-        # Operands may be printed bare (``add.1``) or typed (``f32[2] %add.1``).
-        operands = tuple(part.split()[-1].lstrip("%") for part in _split_top_level(inside))
+        # Operands may be printed bare (``add.1``) or typed (``f32[2] %add.1``), every fifth
+        # after an index comment (``/*index=5*/%add.1``).
+        operands = tuple(_ANY_COMMENT.sub("", part).split()[-1].lstrip("%")
+                         for part in _split_top_level(inside))
+    key = None
     for item in _split_top_level(rest[close + 1:].lstrip(", ")):
-        key, _, value = item.partition("=")
-        attrs[key.strip()] = value.strip()
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if (name == "device_ids" and key == "replica_groups"
+                and attrs[key].startswith("mesh[")):
+            # Mesh-axes replica groups span a comma: ``mesh[..], device_ids=(..) {axes}``.
+            attrs[key] += f", {item}"
+            continue
+        key = name
+        attrs[key] = value.strip()
     return Instruction(start.group(2), opcode, shape, operands, attrs, bool(start.group(1)))
 
 

@@ -48,7 +48,8 @@ LOOP_READERS = ELEMENTWISE | {"broadcast", "reshape", "bitcast", "transpose", "r
 
 @dataclasses.dataclass(frozen=True)
 class Liveness:
-    """Per-node liveness arrays, indexed by node id (topological order)."""
+    """Per-node liveness arrays, indexed by node id (topological order). KIWI's sets X_t, L_t
+    and Y_t keyed by these arrays are :meth:`solvers.problem.ShardingProblem.sets`."""
 
     z: np.ndarray
     """bool: forward node read by at least one backward (or optimizer) node (KIWI's z_i)."""
@@ -61,23 +62,6 @@ class Liveness:
     first_bwd_use: np.ndarray
     """int: for forward nodes with z, the first backward reader: the node belongs to X_t for that
     t; -1 otherwise."""
-
-    def sets(self, which: str) -> dict[int, tuple[int, ...]]:
-        """KIWI's sets keyed by time step: ``"X"``, ``"L"`` or ``"Y"`` (Y_t: non-forward nodes
-        whose last reader is t)."""
-        if which == "X":
-            key = self.first_bwd_use
-        elif which == "L":
-            key = self.fwd_last_use
-        elif which == "Y":
-            key = np.where(self.fwd_last_use < 0, self.live, -1)
-        else:
-            raise ValueError(f"expected one of 'X', 'L', 'Y', got {which!r}")
-        out: dict[int, list[int]] = {}
-        for node, t in enumerate(key):
-            if t >= 0:
-                out.setdefault(int(t), []).append(node)
-        return {t: tuple(v) for t, v in out.items()}
 
 
 def fused_values(graph: OpGraph) -> np.ndarray:

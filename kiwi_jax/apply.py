@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import lower_to_hlo
-from kiwi_jax.interpret import Interpreter, tag_of, trace_flat
+from kiwi_jax.interpret import Interpreter, inlined_call, tag_of, trace_flat
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep
 
@@ -78,11 +78,9 @@ def _representatives(closed, graph: OpGraph) -> dict:
                          and graph.nodes[n].opcode != "parameter"]
                 if match:
                     result[(path, k)] = match[-1]
-            for sub in ("jaxpr", "call_jaxpr"):
-                inner = eqn.params.get(sub)
-                if inner is not None and eqn.primitive.name in ("jit", "pjit", "custom_jvp_call",
-                                                                 "custom_vjp_call", "closed_call"):
-                    visit(getattr(inner, "jaxpr", inner), path)
+            body = inlined_call(eqn)          # the interpreter's paths inside inlined calls
+            if body is not None:
+                visit(body[0], path)
     visit(closed.jaxpr, "")
     return result
 

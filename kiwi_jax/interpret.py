@@ -35,14 +35,27 @@ import jax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 
-__all__ = ["Interpreter", "tag_of", "trace_flat", "OVERLAP_SCOPE"]
+__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "INLINED_CALLS",
+           "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
 
 _TAG = re.compile(r"(?:^|[/(])k(\d+(?:_\d+)*)(?=[/)]|$)")
-_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
-           "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr"}
+INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
+                 "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
+                 "core_call": "call_jaxpr"}
+"""Call-like primitives the interpreter inlines, each with the parameter holding its body: the
+body's equations run one by one, at paths ``<call path>_<index>``."""
+
+
+def inlined_call(eqn) -> tuple[object, tuple] | None:
+    """``(jaxpr, consts)`` of the body of an equation the interpreter inlines (see
+    :data:`INLINED_CALLS`); None for any other equation."""
+    param = INLINED_CALLS.get(eqn.primitive.name)
+    if param is None or param not in eqn.params:
+        return None
+    body = eqn.params[param]
+    return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
 
 
 def tag_of(op_name: str) -> str | None:
@@ -89,11 +102,9 @@ class Interpreter:
 
     def _bind(self, eqn, invals, path: str, name_stack):
         """Run one equation (inlining calls) and constrain its outputs."""
-        inner = _INLINE.get(eqn.primitive.name)
-        if inner is not None and inner in eqn.params:
-            sub = eqn.params[inner]
-            sub_jaxpr, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") \
-                else (sub, ())
+        body = inlined_call(eqn)
+        if body is not None:
+            sub_jaxpr, sub_consts = body
             if len(invals) > len(sub_jaxpr.invars):          # custom_jvp_call's leading consts
                 invals = invals[len(invals) - len(sub_jaxpr.invars):]
             with source_info_util.user_context(eqn.source_info.traceback,

@@ -15,9 +15,9 @@ from hlo_tools.compiled import (
     device_memory,
     live_at_peak,
     parse_replica_groups,
-    shape_bytes,
     summarize,
 )
+from hlo_tools.hlo_text import parse_module
 
 MESH_IDS = np.arange(8).reshape(2, 4)
 F32 = 4
@@ -70,16 +70,6 @@ def test_parse_replica_groups_absent_and_malformed():
         parse_replica_groups("replica_groups=mesh['a'=8] {'z'}")
 
 
-def test_shape_bytes():
-    assert shape_bytes("f32[8,16]{1,0}") == 512
-    assert shape_bytes("(f32[8,4]{1,0}, bf16[8,2]{1,0})") == 128 + 32
-    assert shape_bytes("s4[3]{0}") == 2
-    assert shape_bytes("pred[]") == 1
-    assert shape_bytes("(f8e4m3fn[4]{0}, token[])") == 4
-    with pytest.raises(HloParseError, match="element type"):
-        shape_bytes("q7[2]")
-
-
 # --- collectives on literal HLO ---------------------------------------------
 
 _SYNTHETIC = """\
@@ -93,6 +83,7 @@ HloModule synthetic, is_scheduled=true, entry_computation_layout={(f32[8,4]{1,0}
 
 ENTRY %main (p: f32[8,4]) -> f32[8,4] {
   %p = f32[8,4]{1,0} parameter(0)
+  %q = f32[2]{0} parameter(1)
   %ags = (f32[8,4]{1,0}, f32[8,16]{1,0}) all-gather-start(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={1}, use_global_device_ids=true
   %agd = f32[8,16]{1,0} all-gather-done(%ags)
   %rs = f32[2,4]{1,0} reduce-scatter(%p), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, to_apply=%add
@@ -123,9 +114,36 @@ def test_collectives_on_literal_hlo():
 
 
 def test_collectives_rejects_undefined_operand():
-    text = "ENTRY %m () -> f32[2] {\n  %a = f32[2]{0} all-reduce(%nowhere), replica_groups={}\n}\n"
-    with pytest.raises(HloParseError, match="'nowhere'"):
+    text = ("HloModule m\n\nENTRY %m () -> f32[2] {\n"
+            "  %a = f32[2]{0} all-reduce(%nowhere), replica_groups={}\n}\n")
+    with pytest.raises(HloParseError, match="'nowhere'.*defined in 'm'"):
         collectives(text, MESH_IDS)
+
+
+_TUPLE_ALL_REDUCE = """\
+HloModule combined, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[16,16], h: bf16[2,16]) -> (f32[16,16], f32[16,16], f32[16,16], f32[16,16], f32[16,16], /*index=5*/f32[16,16], bf16[2,16]) {
+  %p = f32[16,16]{1,0} parameter(0)
+  %h = bf16[2,16]{1,0} parameter(1)
+  ROOT %ar = (f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, /*index=5*/f32[16,16]{1,0}, bf16[2,16]{1,0}) all-reduce(%p, %p, %p, %p, %p, /*index=5*/%p, %h), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/transpose(jvp())/dot_general"}
+}
+"""
+
+
+def test_tuple_all_reduce_with_index_comments():
+    # The combiner's tuple prints /*index=5*/ before its sixth operand and element: every
+    # operand still counts, and mesh-axes groups with device_ids still map onto an axis.
+    (found,) = collectives(_TUPLE_ALL_REDUCE, MESH_IDS)
+    assert _kinds([found]) == [("all-reduce", (1,), 4, 6 * 16 * 16 * F32 + 2 * 16 * 2)]
+    assert found.op_name == "jit(f)/transpose(jvp())/dot_general"
+    assert found.shape == "(" + "f32[16,16]{1,0}, " * 6 + "bf16[2,16]{1,0})"
 
 
 def test_collective_is_frozen():
@@ -159,6 +177,33 @@ def test_all_to_all_along_model(mesh24):
     found = collectives(compiled.as_text(), mesh24.device_ids)
     assert _kinds(found) == [("all-to-all", (1,), 4, 2 * 16 * F32)]
     assert found[0].shape.count("f32[2,1,4]") == 4
+
+
+def test_combined_gradient_all_reduce_counts_every_operand(mesh24):
+    # Data parallelism over all 8 devices: XLA combines the seven weight gradients into one
+    # tuple all-reduce whose text carries /*index=5*/ comments. Its bytes are the operands'
+    # parsed shapes, which in turn agree with XLA's own size of the gradients it returns.
+    def grads(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return h.sum()
+        return jax.grad(loss)(ws)
+
+    ws, x = tuple(jnp.ones((16, 16)) for _ in range(7)), jnp.ones((32, 16))
+    replicated, split = NamedSharding(mesh24, P()), NamedSharding(mesh24, P(("data", "model")))
+    compiled = jax.jit(grads, in_shardings=((replicated,) * 7, split),
+                       out_shardings=replicated).lower(ws, x).compile()
+    text = compiled.as_text()
+    assert "/*index=5*/%" in text
+    found = collectives(text, mesh24.device_ids)
+    assert _kinds(found) == [("all-reduce", (0, 1), 8, 7 * 16 * 16 * F32)]
+    entry = parse_module(text).entry.by_name()
+    operands = entry[found[0].name].operands
+    assert len(operands) == 7 and found[0].bytes == sum(entry[o].shape.nbytes for o in operands)
+    pointers = 7 * 8                                  # the returned tuple's index table
+    assert found[0].bytes == device_memory(compiled).output_bytes - pointers
 
 
 def test_all_reduce_over_both_axes(mesh24):

@@ -4,14 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.lib import xla_client
 
 from hlo_tools.graph import Phase, UnsupportedOpError, graph_from_text
-from hlo_tools.hlo_text import HloParseError, parse_module, parse_shape
+from hlo_tools.hlo_text import DTYPE_BITS, HloParseError, parse_module, parse_shape
 from hlo_tools.liveness import liveness
 from hlo_tools.lower import lower_to_graph, lower_to_hlo
 from kiwi_jax.frontend import trace_step
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.models import build
+from kiwi_jax.problem import build_problem
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,73 @@ def test_parse_array_shapes(text, dtype, dims):
 def test_parse_tuple_shape_bytes():
     shape, _ = parse_shape("(f32[2,3]{1,0}, s32[4]{0})")
     assert shape.is_tuple and shape.nbytes == 2 * 3 * 4 + 4 * 4
+
+
+@pytest.mark.parametrize("text,nbytes", [
+    ("f32[8,16]{1,0}", 512), ("(f32[8,4]{1,0}, bf16[8,2]{1,0})", 128 + 32), ("pred[]", 1),
+    ("s4[3]{0:E(4)}", 2), ("u4[4]", 2), ("s2[5]{0:E(2)}", 2), ("u2[4]", 1), ("s1[9]", 2),
+    ("f4e2m1fn[3]{0:E(4)}", 2), ("f8e4m3b11fnuz[4]", 4), ("f8e8m0fnu[2]", 2),
+    ("f8e3m4[3]", 3), ("(f8e4m3fn[4]{0}, token[])", 4), ("c128[2]", 32), ("opaque[]", 8)])
+def test_shape_bytes_pack_sub_byte_types(text, nbytes):
+    assert parse_shape(text)[0].nbytes == nbytes
+
+
+def test_dtype_table_names_every_xla_element_type():
+    names = {name.lower() for name in dir(xla_client.PrimitiveType) if name.isupper()}
+    names = (names - {"primitive_type_invalid", "tuple", "opaque_type"}) | {"opaque"}
+    assert names <= set(DTYPE_BITS), sorted(names - set(DTYPE_BITS))
+    assert {"f8e5m2", "f8e4m3fn", "f8e4m3b11fnuz", "f8e5m2fnuz", "f8e4m3fnuz", "f8e4m3",
+            "f8e3m4", "f8e8m0fnu", "f4e2m1fn", "s2", "u2"} <= set(DTYPE_BITS)
+    with pytest.raises(HloParseError, match="expected an XLA element type.*found 'q7'"):
+        _ = parse_shape("q7[2]")[0].nbytes
+
+
+def test_parameter_bytes_match_xla_for_every_jax_dtype():
+    # XLA's own accounting of a compiled module's arguments: sub-byte types are packed.
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64, jnp.uint32, jnp.int8,
+              jnp.bool_, jnp.int4, jnp.uint4, jnp.int2, jnp.uint2, jnp.float4_e2m1fn,
+              jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3b11fnuz, jnp.float8_e4m3fnuz,
+              jnp.float8_e5m2fnuz, jnp.float8_e8m0fnu, jnp.float8_e3m4, jnp.float8_e4m3]
+    args = [jax.ShapeDtypeStruct((3, 5), dtype) for dtype in dtypes]
+    compiled = jax.jit(lambda *xs: [x.reshape(5, 3) for x in xs]).lower(*args).compile()
+    entry = parse_module(compiled.as_text()).entry
+    params = [i.shape for i in entry.instructions if i.opcode == "parameter"]
+    assert len(params) == len(dtypes) and "s4[3,5]{1,0:E(4)}" in [p.text for p in params]
+    assert sum(p.nbytes for p in params) == compiled.memory_analysis().argument_size_in_bytes
+
+
+def test_layouts_with_tiles_and_bounded_dims():
+    shape, rest = parse_shape("f32[8,128]{1,0:T(8,128)(2,1)S(1)} add(x)")
+    assert (shape.dims, shape.layout, rest) == ((8, 128), "{1,0:T(8,128)(2,1)S(1)}", " add(x)")
+    assert shape.text == "f32[8,128]{1,0:T(8,128)(2,1)S(1)}" and str(shape) == "f32[8,128]"
+    assert shape == parse_shape("f32[8,128]{0,1}")[0]          # the layout is not the value
+    assert parse_shape("f32[<=8,4]{1,0}")[0].dims == (8, 4)
+
+
+_TUPLE_ALL_REDUCE = """\
+HloModule tuple_all_reduce, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[16,16]) -> (f32[16,16], f32[16,16], f32[16,16], f32[16,16], f32[16,16], /*index=5*/f32[16,16], bf16[2,16]) {
+  %p = f32[16,16]{1,0} parameter(0)
+  %h = bf16[2,16]{1,0} convert(%p), metadata={op_name="jit(f)/convert"}
+  ROOT %all-reduce.7 = (f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, f32[16,16]{1,0}, /*index=5*/f32[16,16]{1,0}, bf16[2,16]{1,0}) all-reduce(%p, %p, %p, %p, %p, /*index=5*/%p, %h), channel_id=1, replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}, use_global_device_ids=true, to_apply=%add
+}
+"""
+
+
+def test_tuple_with_index_comments_and_mesh_replica_groups():
+    root = parse_module(_TUPLE_ALL_REDUCE).entry.root
+    assert root.operands == ("p",) * 6 + ("h",)
+    assert len(root.shape.elements) == 7 and root.shape.nbytes == 6 * 16 * 16 * 4 + 2 * 16 * 2
+    assert "/*" not in root.shape.text and root.shape.text.count("f32[16,16]{1,0}") == 6
+    assert root.attrs["replica_groups"] == "mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}"
+    assert "device_ids" not in root.attrs and root.attrs["use_global_device_ids"] == "true"
 
 
 def test_parse_errors_name_what_was_expected():
@@ -93,7 +162,14 @@ def test_liveness_sets_partition_the_nodes(gpt_graph):
     n = len(gpt_graph)
     forward = np.array([node.phase == Phase.FORWARD for node in gpt_graph.nodes])
     assert live.z.sum() > 0 and not live.z[~forward].any()
-    x_sets, l_sets, y_sets = live.sets("X"), live.sets("L"), live.sets("Y")
+    # L_t is defined on forward nodes exactly, so Y_t (the others) is the same whether read
+    # from the phases (the problem's sets) or from fwd_last_use < 0.
+    assert np.array_equal(live.fwd_last_use >= 0, forward)
+    problem = build_problem(gpt_graph, "2x4", "v100-nvlink", merge=False,
+                            memory_model="operator").problem
+    for field in ("z", "live", "fwd_last_use", "first_bwd_use"):
+        assert np.array_equal(getattr(problem, field), getattr(live, field)), field
+    x_sets, l_sets, y_sets = problem.sets("X"), problem.sets("L"), problem.sets("Y")
     in_x = sorted(i for v in x_sets.values() for i in v)
     assert in_x == sorted(np.flatnonzero(live.z))          # each recomputable node in one X_t
     assert sorted(i for v in l_sets.values() for i in v) == sorted(np.flatnonzero(forward))
@@ -101,7 +177,8 @@ def test_liveness_sets_partition_the_nodes(gpt_graph):
         assert gpt_graph.nodes[t].phase in (Phase.BACKWARD, Phase.OPTIMIZER)
         assert all(live.first_bwd_use[i] == t and t in gpt_graph.users[i] for i in members)
     assert all(live.live[i] == n for i in gpt_graph.outputs)
-    assert all(not forward[i] for v in y_sets.values() for i in v)
+    assert sorted(i for v in y_sets.values() for i in v) == sorted(np.flatnonzero(~forward))
+    assert all(live.live[i] == t for t, members in y_sets.items() for i in members)
 
 
 def test_lowering_allocates_nothing():
