@@ -2,7 +2,8 @@
 backends only: this package never imports jax)."""
 
 from solvers.backend import BACKENDS, DEFAULT_BACKEND
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 from solvers.reuse import layer_ties
 from solvers.simulator import SimResult, reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
@@ -10,7 +11,7 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
 from solvers.solve import SOLVERS, min_feasible_budget, min_peak_plan, reference_plan, solve
 
 __all__ = [
-    "BACKENDS", "DEFAULT_BACKEND", "PHASES", "ShardingProblem", "layer_ties", "SimResult",
+    "BACKENDS", "DEFAULT_BACKEND", "Phase", "ShardingProblem", "layer_ties", "SimResult",
     "reduced_schedule", "simulate", "InfeasibleBudgetError", "Solution", "SolverError",
     "SolverTimeoutError", "SolverUnavailableError", "Status", "SOLVERS", "min_feasible_budget",
     "min_peak_plan", "reference_plan", "solve",

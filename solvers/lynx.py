@@ -35,7 +35,8 @@ import numpy as np
 from solvers.backend import DEFAULT_BACKEND, Model
 from solvers.full import build_full
 from solvers.linexpr import Expr, const, total, var
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 from solvers.simulator import overlapped_recomputations, simulate
 from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status, gap_to
 
@@ -43,7 +44,6 @@ __all__ = ["LayerOps", "LayerPolicy", "layer_ops", "heu_policy", "policy_from_ke
            "lynx_opt", "split_costs", "fixed_strategy"]
 
 log = logging.getLogger(__name__)
-FORWARD, BACKWARD = PHASES.index("forward"), PHASES.index("backward")
 WINDOW_PENALTY = 1e-3
 """Objective weight of overlapped recomputation (Lynx's is 0): among plans with the same
 critical path, keep what memory allows."""
@@ -125,8 +125,8 @@ def layer_ops(problem: ShardingProblem, strategy, layer: int) -> LayerOps:
     compute, comm = split_costs(problem, strategy)
     memory = problem.memory_of(strategy)
     in_layer = problem.layer == layer
-    fwd = np.flatnonzero(in_layer & (problem.phase == FORWARD))
-    bwd = np.flatnonzero(in_layer & (problem.phase == BACKWARD))
+    fwd = np.flatnonzero(in_layer & (problem.phase == Phase.FORWARD))
+    bwd = np.flatnonzero(in_layer & (problem.phase == Phase.BACKWARD))
     if not len(fwd):
         raise ValueError(f"layer {layer} has no forward operators")
     local = {int(n): k for k, n in enumerate(fwd)}
@@ -516,7 +516,7 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
         return schedule, sim
     compute, comm = split_costs(problem, strategy)
     cost = compute + comm
-    windows = np.flatnonzero((comm > 0) & (problem.phase == BACKWARD))
+    windows = np.flatnonzero((comm > 0) & (problem.phase == Phase.BACKWARD))
     operands = problem.operands()
     deadline = time.perf_counter() + seconds
 

@@ -16,9 +16,9 @@ import functools
 
 import numpy as np
 
-__all__ = ["PHASES", "ShardingProblem"]
+from solvers.phase import Phase
 
-PHASES = ("param", "forward", "backward", "optimizer")
+__all__ = ["ShardingProblem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ShardingProblem:
     opcodes: tuple[str, ...]
     """HLO opcode per node."""
     phase: np.ndarray
-    """int8 per node: index into PHASES."""
+    """int8 per node: the :class:`~solvers.phase.Phase` value."""
     layer: np.ndarray
     """int per node: repeated-layer index, -1 outside layers."""
     strategy_names: tuple[tuple[str, ...], ...]
@@ -111,7 +111,7 @@ class ShardingProblem:
         before the last forward reader is done with them: those are alive throughout, dropping
         them frees nothing, and counting their two lifetime parts separately would count the
         overlap twice."""
-        return (self.phase == PHASES.index("forward")) & self.z \
+        return (self.phase == Phase.FORWARD) & self.z \
             & (self.first_bwd_use > self.fwd_last_use)
 
     @functools.cached_property
@@ -169,7 +169,7 @@ class ShardingProblem:
         elif which == "L":
             key = self.fwd_last_use
         elif which == "Y":
-            key = np.where(self.phase != PHASES.index("forward"), self.live, -1)
+            key = np.where(self.phase != Phase.FORWARD, self.live, -1)
         else:
             raise ValueError(f"expected 'X', 'L' or 'Y', got {which!r}")
         out: dict[int, list[int]] = {}
@@ -189,10 +189,10 @@ class ShardingProblem:
             "edges": int(len(self.edges)),
             "strategies_total": int(self.num_strategies.sum()),
             "nodes_after_merge": int(len(self.leaders)),
-            "forward_nodes": int((self.phase == 1).sum()),
-            "backward_nodes": int((self.phase == 2).sum()),
-            "optimizer_nodes": int((self.phase == 3).sum()),
-            "param_nodes": int((self.phase == 0).sum()),
+            "forward_nodes": int((self.phase == Phase.FORWARD).sum()),
+            "backward_nodes": int((self.phase == Phase.BACKWARD).sum()),
+            "optimizer_nodes": int((self.phase == Phase.OPTIMIZER).sum()),
+            "param_nodes": int((self.phase == Phase.PARAM).sum()),
             "recomputable_nodes": int(self.recomputable.sum()),
             "mesh": f"{self.mesh_shape[0]}x{self.mesh_shape[1]}",
         }

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
-__all__ = ["make_problem", "layered_problem", "PARAM", "FORWARD", "BACKWARD", "OPTIMIZER"]
-
-PARAM, FORWARD, BACKWARD, OPTIMIZER = (
-    PHASES.index(p) for p in ("param", "forward", "backward", "optimizer"))
+__all__ = ["make_problem", "layered_problem"]
 
 
 def make_problem(phases, edges, compute, memory, comm=None, resharding=None, outputs=(),
@@ -22,7 +20,7 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
     """A problem from per-node lists.
 
     Args:
-      phases: phase index per node (topological order).
+      phases: :class:`~solvers.phase.Phase` per node (topological order).
       edges: ``(src, dst)`` pairs; operand slots are numbered per destination.
       compute: per node, compute seconds per strategy.
       memory: per node, bytes per strategy.
@@ -54,9 +52,9 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
     z = np.zeros(n, bool)
     fwd_last = np.full(n, -1)
     first_bwd = np.full(n, -1)
-    for i in np.flatnonzero(phase == FORWARD):
-        later = sorted(u for u in users[i] if phase[u] in (BACKWARD, OPTIMIZER))
-        forward = [u for u in users[i] if phase[u] == FORWARD]
+    for i in np.flatnonzero(phase == Phase.FORWARD):
+        later = sorted(u for u in users[i] if phase[u] in (Phase.BACKWARD, Phase.OPTIMIZER))
+        forward = [u for u in users[i] if phase[u] == Phase.FORWARD]
         fwd_last[i] = max(forward) if forward else i
         if later:
             z[i], first_bwd[i] = True, later[0]
@@ -103,19 +101,19 @@ def layered_problem(layers: int = 2, window_comm: float = 1.5, seed: int | None 
         edges.extend((j, len(phases) - 1) for j in inputs)
         return len(phases) - 1
 
-    h = node(PARAM, [], 0.0, 10, -1)
+    h = node(Phase.PARAM, [], 0.0, 10, -1)
     acts = []
     for lay in range(layers):
         ops = []
         for k in range(width):
-            h = node(FORWARD, [h], f_sec[k], f_bytes[k], lay)
+            h = node(Phase.FORWARD, [h], f_sec[k], f_bytes[k], lay)
             ops.append(h)
         acts.append(ops)
-    loss = node(FORWARD, [h], 0.5, 1, -1)
-    g = node(BACKWARD, [loss], 0.5, 10, -1)
+    loss = node(Phase.FORWARD, [h], 0.5, 1, -1)
+    g = node(Phase.BACKWARD, [loss], 0.5, 10, -1)
     for lay in reversed(range(layers)):
         for k in reversed(range(width)):
-            g = node(BACKWARD, [g, acts[lay][k]], b_sec[k], 10, lay, collective=b_comm[k])
-    node(OPTIMIZER, [g, 0], 0.5, 10, -1)
+            g = node(Phase.BACKWARD, [g, acts[lay][k]], b_sec[k], 10, lay, collective=b_comm[k])
+    node(Phase.OPTIMIZER, [g, 0], 0.5, 10, -1)
     return make_problem(phases, edges, compute, memory, comm=comm, layer=layer,
                         outputs=(loss, len(phases) - 1))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import solvers
+from hlo_tools.graph import Phase
 from kiwi_jax.cli import main
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
@@ -39,7 +40,7 @@ def test_layer_ties_map_every_layer_onto_the_first(gpt3):
             assert gpt3.strategy_names[i] == gpt3.strategy_names[j]
     # the per-parameter updates of layers 1 and 2 (2/3 of the block parameters' updates; the
     # rest are layer 0's own and the embeddings' and final norm's) follow those of layer 0
-    updates = np.flatnonzero((gpt3.phase == 3) & (gpt3.num_strategies > 1))
+    updates = np.flatnonzero((gpt3.phase == Phase.OPTIMIZER) & (gpt3.num_strategies > 1))
     assert (tie[updates] != updates).mean() > 0.4
 
 

@@ -11,8 +11,8 @@ import solvers
 from solvers import InfeasibleBudgetError, Status, simulate, solve
 from solvers.backend import MilpResult, Model
 from solvers.linexpr import const
-from solver_graphs import (BACKWARD, FORWARD, OPTIMIZER, PARAM, chain_problem, make_problem,
-                           random_problem)
+from solvers.phase import Phase
+from solver_graphs import chain_problem, make_problem, random_problem
 
 
 def check_claims(problem, solution, budget=None):
@@ -28,8 +28,8 @@ def check_claims(problem, solution, budget=None):
 def test_resharding_pair_picks_the_cheapest_combination():
     # node costs a: [1, 2], b: [3, 1]; resharding 5 when the strategies differ.
     # (0,0)=4, (1,1)=3, (0,1)=7, (1,0)=10: the optimum is (1,1) at 3 s.
-    p = make_problem([1, 1], [(0, 1)], [[1.0, 2.0], [3.0, 1.0]], [[1, 1], [1, 1]],
-                     resharding=[[[0.0, 5.0], [5.0, 0.0]]])
+    p = make_problem([Phase.FORWARD] * 2, [(0, 1)], [[1.0, 2.0], [3.0, 1.0]],
+                     [[1, 1], [1, 1]], resharding=[[[0.0, 5.0], [5.0, 0.0]]])
     sol = solve(p, None, solver="alpa")
     assert sol.status == Status.OPTIMAL
     assert sol.strategy.tolist() == [1, 1]
@@ -39,7 +39,7 @@ def test_resharding_pair_picks_the_cheapest_combination():
 def test_diamond_pays_resharding_on_both_branches():
     # a -> b, a -> c, (b, c) -> d; a has 2 strategies, b and c follow cheaply only from a's
     # strategy 0 (resharding 2 each from strategy 1), a's strategy 1 saves 3 on a itself.
-    p = make_problem([1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3)],
+    p = make_problem([Phase.FORWARD] * 4, [(0, 1), (0, 2), (1, 3), (2, 3)],
                      [[4.0, 1.0], [1.0], [1.0], [1.0]], [[1, 1], [1], [1], [1]],
                      resharding=[[[0.0], [2.0]], [[0.0], [2.0]], [[0.0]], [[0.0]]])
     sol = solve(p, None, solver="alpa")
@@ -49,7 +49,7 @@ def test_diamond_pays_resharding_on_both_branches():
 
 def test_memory_budget_moves_to_the_smaller_strategy():
     # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
-    p = make_problem([1], [], [[1.0, 3.0]], [[100, 10]])
+    p = make_problem([Phase.FORWARD], [], [[1.0, 3.0]], [[100, 10]])
     assert solve(p, None, solver="alpa").strategy.tolist() == [0]
     sol = solve(p, 50, solver="alpa")
     assert sol.strategy.tolist() == [1]
@@ -261,7 +261,7 @@ def _brute_force(p, budget, recompute: bool) -> float:
     """The best simulated step time over every strategy assignment and every keep set that
     KIWI's eq. 9 allows (inf if none fits)."""
     import itertools
-    candidates = np.flatnonzero((p.phase == 1) & p.z) if recompute else np.zeros(0, int)
+    candidates = np.flatnonzero((p.phase == Phase.FORWARD) & p.z) if recompute else np.zeros(0, int)
     operands = {}
     for src, dst, _slot in p.edges:
         operands.setdefault(int(dst), set()).add(int(src))
@@ -300,7 +300,8 @@ def test_optimum_matches_exhaustive_search(seed):
 def test_a_value_read_backward_before_its_last_forward_reader_counts_once():
     # p -> a -> f (forward, after the first backward node g reads a) -> ... : a is alive from 1
     # to 4 in one piece; the program must not count it twice while both parts overlap.
-    phases = [PARAM, FORWARD, BACKWARD, FORWARD, BACKWARD, OPTIMIZER]
+    phases = [Phase.PARAM, Phase.FORWARD, Phase.BACKWARD, Phase.FORWARD, Phase.BACKWARD,
+              Phase.OPTIMIZER]
     edges = [(0, 1), (1, 2), (1, 3), (3, 4), (2, 4), (1, 4), (4, 5), (0, 5)]
     memory = [[10], [100], [1], [1], [1], [10]]
     p = make_problem(phases, edges, [[1.0]] * 6, memory, outputs=(5,))
