@@ -38,7 +38,8 @@ from solvers.linexpr import Expr, const, total, var
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 from solvers.simulator import overlapped_recomputations, simulate
-from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status, gap_to
+from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Status, gap_to,
+                              status_within_gap)
 
 __all__ = ["LayerOps", "LayerPolicy", "layer_ops", "heu_policy", "policy_from_keep", "lynx_heu",
            "lynx_opt", "split_costs", "fixed_strategy"]
@@ -657,9 +658,7 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
         raise SolverError(f"lynx-opt: no plan ({result.status.value}) in {time_limit:.0f} s")
     schedule = staged.schedule(result.x)
     sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
-    status = result.status
-    if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
-        status = Status.FEASIBLE
+    status = status_within_gap(result.status, result.gap, mip_gap)
     objective = float(result.objective) * units
     return _solution(
         problem, strategy, schedule, sim, status=status, objective=objective,

@@ -22,7 +22,7 @@ from solvers.problem import ShardingProblem
 from solvers.reuse import has_ties
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
-                              Status, gap_to)
+                              Status, gap_to, status_within_gap)
 
 __all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
 
@@ -166,9 +166,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     else:
         raise SolverError(f"{solver}: the backend's plans stay over the budget ({peak} > "
                           f"{budget_bytes} bytes)")
-    status = result.status
-    if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
-        status = Status.FEASIBLE
+    status = status_within_gap(result.status, result.gap, mip_gap)
     return Solution(
         solver=solver, backend=backend, status=status,
         objective=float(result.objective) * joint.units.seconds,

@@ -153,6 +153,18 @@ def test_unknown_solver_and_backend_are_named():
         solve(p, None, backend="glpk")
 
 
+@pytest.mark.parametrize("status, gap, mip_gap, expected", [
+    (Status.OPTIMAL, 0.0, 1e-3, Status.OPTIMAL),
+    (Status.OPTIMAL, 1.0005e-3, 1e-3, Status.OPTIMAL),        # within the 0.1% tolerance
+    (Status.OPTIMAL, 2e-3, 1e-3, Status.FEASIBLE),
+    (Status.OPTIMAL, 1e-12, 0.0, Status.OPTIMAL),             # gap 0 asked: 1e-9 is the floor
+    (Status.OPTIMAL, 1e-6, 0.0, Status.FEASIBLE),
+    (Status.TIMEOUT_WITH_INCUMBENT, 0.5, 1e-3, Status.TIMEOUT_WITH_INCUMBENT),
+])
+def test_an_optimal_status_above_the_gap_asked_for_is_feasible(status, gap, mip_gap, expected):
+    assert solvers.solution.status_within_gap(status, gap, mip_gap) == expected
+
+
 def test_time_limit_statuses(monkeypatch):
     p = random_problem(7, layers=6, width=3)
     sol = solve(p, None, solver="kiwi", time_limit=60)
