@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["layer_ties", "has_ties"]
+__all__ = ["layer_ties", "with_layer_ties", "has_ties"]
 
 _DIGITS = re.compile(r"\d+")
 
@@ -98,6 +99,12 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
             seen.setdefault(signature, i)
     assert (tie[tie] == tie).all()
     return tie
+
+
+def with_layer_ties(problem: ShardingProblem) -> ShardingProblem:
+    """The problem with :attr:`~solvers.problem.ShardingProblem.ties` filled by
+    :func:`layer_ties` (what every problem builder returns)."""
+    return dataclasses.replace(problem, ties=layer_ties(problem))
 
 
 def has_ties(tie: np.ndarray) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
+from solvers.reuse import with_layer_ties
 
 __all__ = ["make_problem", "layered_problem"]
 
@@ -27,6 +28,9 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
       comm: per node, communication seconds per strategy (default zeros).
       resharding: per edge, a [src strategies, dst strategies] matrix (default zeros).
       outputs: ids of the step's outputs.
+
+    Returns:
+      The problem, its layer ties filled (:func:`solvers.reuse.with_layer_ties`).
     """
     n = len(phases)
     phase = np.array(phases, np.int8)
@@ -58,7 +62,7 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
         fwd_last[i] = max(forward) if forward else i
         if later:
             z[i], first_bwd[i] = True, later[0]
-    return ShardingProblem(
+    return with_layer_ties(ShardingProblem(
         names=tuple(f"n{i}" for i in range(n)),
         opcodes=tuple(opcodes) if opcodes else tuple("op" for _ in range(n)), phase=phase,
         layer=np.full(n, -1) if layer is None else np.array(layer),
@@ -66,7 +70,7 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
         compute=compute, comm=comm, memory=memory, edges=edge_array,
         resharding=tuple(np.array(r, float) for r in resharding), z=z, live=live,
         fwd_last_use=fwd_last, first_bwd_use=first_bwd, is_output=is_output,
-        mesh_shape=mesh_shape, flops=np.ones(n), peak_flops=1e12)
+        mesh_shape=mesh_shape, flops=np.ones(n), peak_flops=1e12))
 
 
 def layered_problem(layers: int = 2, window_comm: float = 1.5, seed: int | None = None,

@@ -28,6 +28,7 @@ def gpt3():
 
 def test_layer_ties_map_every_layer_onto_the_first(gpt3):
     tie = solvers.layer_ties(gpt3)
+    assert np.array_equal(gpt3.ties, tie)             # filled when the problem was built
     for layer in (1, 2):
         nodes = np.flatnonzero(gpt3.layer == layer)
         tied = nodes[tie[nodes] != nodes]

@@ -158,6 +158,7 @@ def test_problem_round_trips_through_npz(gpt_build, tmp_path):
     again = ShardingProblem.load(tmp_path / "p.npz")
     assert again.names == problem.names and again.summary() == problem.summary()
     assert all((a == b).all() for a, b in zip(again.resharding, problem.resharding))
+    assert np.array_equal(again.ties, problem.ties)
 
 
 def test_kiwi_config_gpt_builds_with_abstract_shapes():

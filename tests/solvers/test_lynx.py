@@ -1,6 +1,8 @@
 """Lynx: the per-layer program (hand-worked layers), the overlap credit of the simulator, and
 Lynx-HEU / Lynx-OPT on a layered problem."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,6 @@ def test_the_simulator_credits_recomputation_beside_a_collective_that_does_not_w
     comm = [np.zeros(1) for _ in range(p.num_nodes)]
     comm[4] = np.array([0.5])                 # gc issues a collective; it reads c, not a
     comm[6] = np.array([0.5])                 # ga issues one too, but it reads a
-    import dataclasses
     p = dataclasses.replace(p, comm=tuple(comm))
     strategy = np.zeros(p.num_nodes, np.int64)
     base = solvers.simulate(p, strategy).step_seconds
@@ -142,3 +143,13 @@ def test_an_infeasible_budget_names_the_smallest_heu_finds():
         lynx.lynx_heu(p, 50, strategy)
     assert err.value.min_feasible_bytes > 50
     lynx.lynx_heu(p, err.value.min_feasible_bytes, strategy)
+
+
+def test_a_problem_built_without_ties_ties_nothing_and_heu_says_so():
+    p = layered_problem(layers=2)
+    assert solvers.reuse.has_ties(p.ties)                  # filled where the problem is made
+    untied = dataclasses.replace(p, ties=None)
+    assert np.array_equal(untied.ties, np.arange(p.num_nodes))
+    with pytest.raises(ValueError, match="with_layer_ties"):
+        lynx.lynx_heu(untied, None, np.zeros(p.num_nodes, np.int64))
+    assert np.array_equal(solvers.with_layer_ties(untied).ties, p.ties)

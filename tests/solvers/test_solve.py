@@ -137,7 +137,7 @@ def _with_scopes(p):
     import dataclasses
     names = tuple(f"layer_0/attention_core/op{i}" if i % 3 == 0 else f"layer_0/mlp/op{i}"
                   for i in range(p.num_nodes))
-    return dataclasses.replace(p, op_names=names)
+    return solvers.with_layer_ties(dataclasses.replace(p, op_names=names))
 
 
 def test_megatron_needs_name_scopes():
