@@ -2,6 +2,7 @@
 backends only: this package never imports jax)."""
 
 from solvers.backend import BACKENDS, DEFAULT_BACKEND
+from solvers.options import SolverOptions
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 from solvers.reuse import layer_ties, with_layer_ties
@@ -11,8 +12,8 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
 from solvers.solve import SOLVERS, min_feasible_budget, min_peak_plan, reference_plan, solve
 
 __all__ = [
-    "BACKENDS", "DEFAULT_BACKEND", "Phase", "ShardingProblem", "layer_ties", "with_layer_ties",
-    "SimResult", "reduced_schedule", "simulate", "InfeasibleBudgetError", "Solution", "SolverError",
-    "SolverTimeoutError", "SolverUnavailableError", "Status", "SOLVERS", "min_feasible_budget",
-    "min_peak_plan", "reference_plan", "solve",
+    "BACKENDS", "DEFAULT_BACKEND", "SolverOptions", "Phase", "ShardingProblem", "layer_ties",
+    "with_layer_ties", "SimResult", "reduced_schedule", "simulate", "InfeasibleBudgetError",
+    "Solution", "SolverError", "SolverTimeoutError", "SolverUnavailableError", "Status", "SOLVERS",
+    "min_feasible_budget", "min_peak_plan", "reference_plan", "solve",
 ]

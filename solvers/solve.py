@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from solvers.backend import DEFAULT_BACKEND
 from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
 from solvers.joint import build_joint
+from solvers.options import DEFAULTS, SolverOptions
 from solvers.problem import ShardingProblem
 from solvers.reuse import has_ties
 from solvers.simulator import reduced_schedule, simulate
@@ -27,6 +27,9 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
 __all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
 
 SOLVERS = (*RULES, "kiwi", "kiwi-full")
+REFERENCE_GAP = 1e-4
+"""Relative gap of the reference plan's solves: it is the 100% of percentage budgets, so it is
+held tighter than the plans solved under a budget (:data:`solvers.options.DEFAULTS`)."""
 log = logging.getLogger(__name__)
 
 
@@ -49,12 +52,16 @@ def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
     return strategy, keep, schedule, simulate(problem, strategy, recompute_at=schedule)
 
 
-def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
-          backend: str = DEFAULT_BACKEND, time_limit: float = 60.0, mip_gap: float = 1e-4,
-          seed: int = 0, threads: int = 1, reuse_layers: bool = False,
+def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = DEFAULTS.solver,
+          backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+          mip_gap: float = DEFAULTS.mip_gap, seed: int = DEFAULTS.seed,
+          threads: int = DEFAULTS.threads, reuse_layers: bool = DEFAULTS.reuse_layers,
           warm_start: Solution | str | None = "auto",
           search_min_feasible: bool = True) -> Solution:
     """Plan ``problem`` under a per-device budget (None: no memory limit).
+
+    The defaults are :data:`solvers.options.DEFAULTS`, which the ``kiwi_jax.optimize``
+    decorator and the ``kiwi-jax`` command line share.
 
     Args:
       problem: the costed problem.
@@ -66,7 +73,8 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
       seed: the backend's random seed (same seed, same model: same answer).
       threads: backend threads.
       reuse_layers: give corresponding operators of identical layers one decision (solve one
-        layer, apply it to its repeats): fewer variables, possibly a worse plan.
+        layer, apply it to its repeats): fewer variables, possibly a worse plan (``kiwi-full``,
+        whose staged program has no tied form, uses it for its warm-start stages only).
       warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
         (default): under a budget, first find a plan that fits (the backends' own heuristics
         often find none on large graphs) from the tied program of repeated layers or from the
@@ -81,6 +89,7 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
     """
     if isinstance(warm_start, str) and warm_start != "auto":
         raise ValueError(f"warm_start: expected a Solution, 'auto' or None, got {warm_start!r}")
+    SolverOptions(solver, backend, time_limit, mip_gap, reuse_layers, seed, threads)  # checks
     deadline = time.perf_counter() + time_limit
     staged = warm_start == "auto"
     if staged:
@@ -236,13 +245,15 @@ def _improve(problem, budget, solver, plan: Solution, deadline: float, options) 
     return better if better is not None and better.objective <= plan.objective else plan
 
 
-def min_peak_plan(problem: ShardingProblem, solver: str = "kiwi",
-                  backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
-                  reuse_layers: bool = False, mip_gap: float = 1e-6,
+def min_peak_plan(problem: ShardingProblem, solver: str = DEFAULTS.solver,
+                  backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+                  reuse_layers: bool = DEFAULTS.reuse_layers, mip_gap: float = 1e-6,
                   ) -> tuple[Solution | None, int | None]:
-    """The plan of ``solver`` with the lowest per-device peak: the same program with the peak
-    minimised instead of the step time. It fits every budget at or above its peak, so it is a
-    warm start for any of them.
+    """The plan of ``solver`` (one of :data:`SOLVERS`) with the lowest per-device peak:
+    the same program with the peak minimised instead of the step time. It fits every budget at
+    or above its peak, so it is a warm start for any of them. Its defaults are
+    :func:`solvers.solve`'s but for the gap: a bound on the smallest budget is held tight
+    (1e-6).
 
     The program's memory rows bound the simulator's replay from above (the claimed peak is
     never below the simulated one, and on the 1-layer GPT it was above), so the budget a plan
@@ -282,11 +293,12 @@ def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) ->
     return dataclasses.replace(plan, budget_bytes=budget)
 
 
-def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
-                        backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
-                        reuse_layers: bool = False) -> tuple[int | None, int | None]:
+def min_feasible_budget(problem: ShardingProblem, solver: str = DEFAULTS.solver,
+                        backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+                        reuse_layers: bool = DEFAULTS.reuse_layers,
+                        ) -> tuple[int | None, int | None]:
     """Bounds on the smallest per-device peak a plan of ``solver`` can have (see
-    :func:`min_peak_plan`).
+    :func:`min_peak_plan`; its defaults are :func:`solvers.solve`'s, so the two agree).
 
     Returns:
       ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
@@ -296,8 +308,9 @@ def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
     return (None, None) if plan is None else (lower, plan.budget_bytes)
 
 
-def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
-                   time_limit: float = 60.0) -> Solution:
+def reference_plan(problem: ShardingProblem, backend: str = DEFAULTS.backend,
+                   time_limit: float = DEFAULTS.time_limit, seed: int = DEFAULTS.seed,
+                   threads: int = DEFAULTS.threads) -> Solution:
     """The ``alpa`` plan with no memory limit that, among the fastest ones, peaks lowest: the
     100% of budgets given as percentages.
 
@@ -310,13 +323,15 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
     time held at the optimum. That solve runs on the tied program when the graph has repeated
     layers (it finishes in seconds where the full one may not within the time limit, which
     would make the reference depend on the limit), else, or if it finds nothing, on the full
-    program.
+    program. Every solve stops at :data:`REFERENCE_GAP`.
     """
     ties = problem.ties
-    tied = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit / 2,
-                 reuse_layers=True) if has_ties(ties) else None
-    fastest = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit,
-                    warm_start=tied)
+    alpa = {"solver": "alpa", "backend": backend, "mip_gap": REFERENCE_GAP, "seed": seed,
+            "threads": threads}
+    tied = solve(problem, None, time_limit=time_limit / 2, reuse_layers=True, **alpa) \
+        if has_ties(ties) else None
+    fastest = solve(problem, None, time_limit=time_limit, reuse_layers=False, warm_start=tied,
+                    **alpa)
     if tied is not None and tied.objective < fastest.objective:
         fastest = tied
     fixed = RULES["alpa"](problem)
@@ -324,7 +339,8 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
         joint = build_joint(problem, None, fixed_keep=fixed, minimize_peak=True, tie=tie,
                             max_seconds=fastest.objective * (1 + 1e-7))
         hint = joint.hint(problem, fastest.strategy) if tie is None else None
-        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-4, hint=hint)
+        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=REFERENCE_GAP,
+                                   seed=seed, threads=threads, hint=hint)
         if result.x is None:
             continue
         strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
