@@ -78,7 +78,7 @@ def _cmd_problem(args) -> dict:
 def _cmd_plan(args) -> dict:
     import solvers
     from kiwi_jax.frontend import problem_for_step
-    from kiwi_jax.plan import resolve_budget, solve_problem
+    from kiwi_jax.plan import resolve_budget
 
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
@@ -95,7 +95,7 @@ def _cmd_plan(args) -> dict:
            **{k: round(v, 3) for k, v in timings.items()}}
     start = time.perf_counter()
     try:
-        solution = solve_problem(problem, budget, args.solver, mip_gap=args.gap,
+        solution = solvers.solve(problem, budget, solver=args.solver, mip_gap=args.gap,
                                  seed=args.seed, threads=args.threads, **options)
     except solvers.InfeasibleBudgetError as err:
         print(f"kiwi-jax plan: {err}", file=sys.stderr)

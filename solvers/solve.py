@@ -1,4 +1,5 @@
-"""Solve a sharding problem with one of the formulations, and find the smallest feasible budget.
+"""Solve a sharding problem with one of the MILP formulations, and find the smallest feasible
+budget. :func:`solvers.solve` dispatches here (:mod:`solvers.dispatch`).
 
 References:
   KIWI (Liu et al.), eq. 2-11 (``kiwi``), eq. 1 with appendix eq. 12-23 (``kiwi-full``);
@@ -24,9 +25,12 @@ from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status, gap_to, status_within_gap)
 
-__all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
+__all__ = ["MILP_SOLVERS", "solve_milp", "min_feasible_budget", "min_peak_plan",
+           "reference_plan"]
 
-SOLVERS = (*RULES, "kiwi", "kiwi-full")
+MILP_SOLVERS = (*RULES, "kiwi", "kiwi-full")
+"""The formulations solved here, each as one MILP (the heuristic baselines with their keep
+flags fixed)."""
 REFERENCE_GAP = 1e-4
 """Relative gap of the reference plan's solves: it is the 100% of percentage budgets, so it is
 held tighter than the plans solved under a budget (:data:`solvers.options.DEFAULTS`)."""
@@ -34,8 +38,9 @@ log = logging.getLogger(__name__)
 
 
 def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers):
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; expected one of {', '.join(SOLVERS)}")
+    if solver not in MILP_SOLVERS:
+        raise ValueError(f"{solver!r} is not one of the MILP formulations "
+                         f"({', '.join(MILP_SOLVERS)})")
     if solver == "kiwi-full":
         return build_full(problem, budget, minimize_peak=minimize_peak), None
     fixed = None if solver == "kiwi" else RULES[solver](problem)
@@ -52,29 +57,23 @@ def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
     return strategy, keep, schedule, simulate(problem, strategy, recompute_at=schedule)
 
 
-def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = DEFAULTS.solver,
-          backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
-          mip_gap: float = DEFAULTS.mip_gap, seed: int = DEFAULTS.seed,
-          threads: int = DEFAULTS.threads, reuse_layers: bool = DEFAULTS.reuse_layers,
-          warm_start: Solution | str | None = "auto",
-          search_min_feasible: bool = True) -> Solution:
-    """Plan ``problem`` under a per-device budget (None: no memory limit).
+def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: SolverOptions, *,
+               warm_start: Solution | str | None = "auto",
+               search_min_feasible: bool = True) -> Solution:
+    """Plan ``problem`` under a per-device budget (None: no memory limit) with one of
+    :data:`MILP_SOLVERS` (``options.solver``).
 
-    The defaults are :data:`solvers.options.DEFAULTS`, which the ``kiwi_jax.optimize``
-    decorator and the ``kiwi-jax`` command line share.
+    How the options apply: ``time_limit`` bounds the warm-start stages and the final solve
+    together (the search for the smallest feasible budget after an infeasible one gets its
+    own); ``mip_gap``, ``seed`` and ``threads`` are the final solve's (the warm-start stages
+    stop at :data:`STAGE_GAP`, with seed 0 on one thread); ``reuse_layers`` solves the tied
+    program (``kiwi-full``, whose staged program has no tied form, uses it for its warm-start
+    stages only).
 
     Args:
       problem: the costed problem.
       budget_bytes: per-device memory budget, or None.
-      solver: one of :data:`SOLVERS`.
-      backend: ``highs`` (embedded default), ``cpsat`` or ``gurobi``.
-      time_limit: seconds for the backend; the best plan found by then is returned with its gap.
-      mip_gap: relative optimality gap at which to stop.
-      seed: the backend's random seed (same seed, same model: same answer).
-      threads: backend threads.
-      reuse_layers: give corresponding operators of identical layers one decision (solve one
-        layer, apply it to its repeats): fewer variables, possibly a worse plan (``kiwi-full``,
-        whose staged program has no tied form, uses it for its warm-start stages only).
+      options: formulation, backend and limits (see :class:`~solvers.options.SolverOptions`).
       warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
         (default): under a budget, first find a plan that fits (the backends' own heuristics
         often find none on large graphs) from the tied program of repeated layers or from the
@@ -89,16 +88,20 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = DEFA
     """
     if isinstance(warm_start, str) and warm_start != "auto":
         raise ValueError(f"warm_start: expected a Solution, 'auto' or None, got {warm_start!r}")
-    SolverOptions(solver, backend, time_limit, mip_gap, reuse_layers, seed, threads)  # checks
+    solver, backend, time_limit = options.solver, options.backend, options.time_limit
+    reuse_layers = options.reuse_layers
+    if solver not in MILP_SOLVERS:
+        raise ValueError(f"{solver!r} is not one of the MILP formulations "
+                         f"({', '.join(MILP_SOLVERS)}); solvers.solve takes every formulation")
     deadline = time.perf_counter() + time_limit
     staged = warm_start == "auto"
     if staged:
         warm_start = None if budget_bytes is None else _warm_start(
             problem, solver, budget_bytes, backend, time_limit, reuse_layers)
-    options = {"backend": backend, "mip_gap": mip_gap, "seed": seed, "threads": threads,
-               "reuse_layers": reuse_layers}
+    settings = {"backend": backend, "mip_gap": options.mip_gap, "seed": options.seed,
+                "threads": options.threads, "reuse_layers": reuse_layers}
     try:
-        solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **options)
+        solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **settings)
     except SolverTimeoutError:
         if not staged or warm_start is None:
             raise
@@ -249,7 +252,7 @@ def min_peak_plan(problem: ShardingProblem, solver: str = DEFAULTS.solver,
                   backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
                   reuse_layers: bool = DEFAULTS.reuse_layers, mip_gap: float = 1e-6,
                   ) -> tuple[Solution | None, int | None]:
-    """The plan of ``solver`` (one of :data:`SOLVERS`) with the lowest per-device peak:
+    """The plan of ``solver`` (one of :data:`MILP_SOLVERS`) with the lowest per-device peak:
     the same program with the peak minimised instead of the step time. It fits every budget at
     or above its peak, so it is a warm start for any of them. Its defaults are
     :func:`solvers.solve`'s but for the gap: a bound on the smallest budget is held tight
@@ -326,12 +329,12 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULTS.backend,
     program. Every solve stops at :data:`REFERENCE_GAP`.
     """
     ties = problem.ties
-    alpa = {"solver": "alpa", "backend": backend, "mip_gap": REFERENCE_GAP, "seed": seed,
-            "threads": threads}
-    tied = solve(problem, None, time_limit=time_limit / 2, reuse_layers=True, **alpa) \
+    alpa = SolverOptions(solver="alpa", backend=backend, time_limit=time_limit,
+                         mip_gap=REFERENCE_GAP, reuse_layers=False, seed=seed, threads=threads)
+    tied = solve_milp(problem, None, dataclasses.replace(alpa, time_limit=time_limit / 2,
+                                                         reuse_layers=True)) \
         if has_ties(ties) else None
-    fastest = solve(problem, None, time_limit=time_limit, reuse_layers=False, warm_start=tied,
-                    **alpa)
+    fastest = solve_milp(problem, None, alpa, warm_start=tied)
     if tied is not None and tied.objective < fastest.objective:
         fastest = tied
     fixed = RULES["alpa"](problem)
