@@ -398,8 +398,8 @@ def _counterparts(problem: ShardingProblem, ops: LayerOps) -> dict[int, dict[int
             raise ValueError(
                 f"lynx-heu applies one layer's policy to every layer, but layer {layer} has no "
                 f"counterpart for {missing} of the reference layer's {ops.size} forward "
-                "operators: the layers are not identical (or the problem was built without its layer ties: "
-                "solvers.reuse.with_layer_ties); use solver 'kiwi' or 'lynx-opt'")
+                "operators: the layers are not identical (or the problem was built without its "
+                "layer ties: solvers.reuse.with_layer_ties); use solver 'kiwi' or 'lynx-opt'")
         if missing:
             log.info("lynx-heu: layer %d keeps %d operators that differ from the reference "
                      "layer's", layer, missing)
