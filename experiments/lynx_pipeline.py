@@ -30,7 +30,8 @@ import time
 import numpy as np
 
 import solvers
-from experiments.common import problem_of, pyplot, results_path, save_figure, write_result
+from experiments.common import (STUDY_GAP, problem_of, pyplot, results_path, save_figure,
+                                write_result)
 from kiwi_jax.pipeline import model_profile
 from solvers import lynx
 from solvers.pipeline import partition
@@ -100,7 +101,7 @@ def heu_vs_opt(config, mesh, cluster, fractions, time_limit) -> list[dict]:
             rows.append(row)
             continue
         opt = lynx.lynx_opt(problem, budget, reference.strategy, warm_start=heu,
-                            time_limit=time_limit)
+                            time_limit=time_limit, mip_gap=STUDY_GAP)
         bound = opt.bound                   # at least the step that keeps everything
         row.update(feasible=True, heu_step_seconds=heu.objective,
                    heu_search_seconds=heu.solve_seconds + heu.build_seconds,
@@ -134,7 +135,8 @@ def heu_vs_opt_synthetic(seeds, layers, width, cut, time_limit) -> list[dict]:
         except solvers.InfeasibleBudgetError:
             rows.append({**row, "feasible": False})
             continue
-        opt = lynx.lynx_opt(problem, budget, strategy, warm_start=heu, time_limit=time_limit)
+        opt = lynx.lynx_opt(problem, budget, strategy, warm_start=heu, time_limit=time_limit,
+                            mip_gap=STUDY_GAP)
         rows.append({**row, "feasible": True, "heu_step_seconds": heu.objective,
                      "opt_step_seconds": opt.objective, "opt_status": opt.status.value,
                      "heu_throughput_vs_opt": opt.objective / heu.objective,

@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 import solvers
-from experiments.common import problem_of, pyplot, results_path, save_figure, write_result
+from experiments.common import (STUDY_GAP, problem_of, pyplot, results_path, save_figure,
+                                write_result)
 
 KIWI_TABLE1 = {0.2: (8.35, 1717.18, 8.35, 0.79), 0.4: (4.88, 660.41, 5.09, 0.91),
                0.6: (2.71, 718.49, 3.13, 0.80), 0.8: (1.54, 39.71, 1.72, 0.67)}
@@ -50,7 +51,8 @@ def _solve(problem, solver, budget, reference, repeats, time_limit) -> dict:
         start = time.perf_counter()
         try:
             runs.append(solvers.solve(problem, budget, solver=solver, seed=seed,
-                                      time_limit=time_limit, search_min_feasible=False))
+                                      time_limit=time_limit, mip_gap=STUDY_GAP,
+                                      reuse_layers=False, search_min_feasible=False))
         except solvers.InfeasibleBudgetError:
             return {"status": "infeasible"}
         except solvers.SolverTimeoutError:

@@ -24,7 +24,7 @@ import time
 
 import solvers
 import solvers.joint
-from experiments.common import problem_of, write_result
+from experiments.common import STUDY_GAP, problem_of, write_result
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ def _problem(model: str, layers: int, mesh: str = "2x4", merge: bool = True, **o
 
 
 def _row(problem, solver, budget, reference, **options) -> dict:
+    options = {"reuse_layers": False, "mip_gap": STUDY_GAP, **options}   # the study's settings
     start = time.perf_counter()
     row = {"solver": solver, "budget_bytes": budget,
            "budget_fraction": round(budget / reference.peak_bytes, 4) if budget else None,
-           "reuse_layers": options.get("reuse_layers", False),
+           "reuse_layers": options["reuse_layers"],
            "backend": options.get("backend", solvers.DEFAULT_BACKEND)}
     try:
         sol = solvers.solve(problem, budget, solver=solver, **options)

@@ -17,8 +17,8 @@ import logging
 import time
 
 import solvers
-from experiments.common import (KIWI_TABLE2, problem_of, pyplot, results_path, save_figure,
-                                write_result)
+from experiments.common import (KIWI_TABLE2, STUDY_GAP, problem_of, pyplot, results_path,
+                                save_figure, write_result)
 
 DEPTHS = (1, 2, 4, 8, 12, 16, 20)
 QUICK = {"model": "mlp", "depths": (2, 3), "mesh": "2x2",
@@ -32,7 +32,7 @@ def _solve_row(problem, solver, fraction, reference, reuse, time_limit) -> dict:
     start = time.perf_counter()
     try:
         sol = solvers.solve(problem, budget, solver=solver, time_limit=time_limit,
-                            reuse_layers=reuse, search_min_feasible=False)
+                            mip_gap=STUDY_GAP, reuse_layers=reuse, search_min_feasible=False)
     except solvers.InfeasibleBudgetError:
         row.update(feasible=False, status="infeasible")
     except solvers.SolverTimeoutError:

@@ -12,12 +12,13 @@ from kiwi_jax.optimize import NotATrainStepError, OptimizedStep, Options, optimi
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild, build_problem
 from kiwi_jax.verify import VerifyReport
+from solvers.options import SolverOptions
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               SolverUnavailableError, Status)
 
 __all__ = [
     "optimize", "OptimizedStep", "Options", "Plan", "VerifyReport", "Prepared", "CompiledPlan",
     "Cluster", "MeshSpec", "parse_bytes", "problem_for_step", "build_problem", "ProblemBuild",
-    "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
+    "SolverOptions", "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
     "SolverTimeoutError", "SolverUnavailableError",
 ]

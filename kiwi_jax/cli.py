@@ -210,7 +210,8 @@ def _cmd_verify(args) -> dict:
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     step = optimize(ref.train_step, mesh=mesh, memory_budget=args.budget, cluster=args.cluster,
                     solver=args.solver, backend=args.backend, time_limit=args.time_limit,
-                    mip_gap=args.gap, cache_dir=False if args.no_cache else args.cache_dir,
+                    mip_gap=args.gap, reuse_layers=args.reuse_layers,
+                    cache_dir=False if args.no_cache else args.cache_dir,
                     memory_model=args.memory_model)
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
@@ -252,6 +253,9 @@ def _cmd_verify(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from solvers.options import SolverOptions
+
+    defaults = SolverOptions()          # the solver defaults of solvers.solve and the decorator
     parser = argparse.ArgumentParser(prog="kiwi-jax", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,16 +267,22 @@ def main(argv=None) -> int:
     _model_args(plan)
     plan.add_argument("--budget", default="80%", help="per-device budget: bytes (6GiB) or a "
                       "percentage of the fastest no-limit alpa plan's peak (80%%)")
-    plan.add_argument("--solver", default="kiwi", help="alpa, alpa+dots, alpa+megatron, "
-                      "alpa+full, kiwi, kiwi-full, lynx-heu, lynx-opt (the Lynx solvers keep the "
-                      "reference plan's sharding)")
-    plan.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
-    plan.add_argument("--time-limit", type=float, default=120.0, help="solver seconds")
-    plan.add_argument("--gap", type=float, default=1e-4, help="relative optimality gap")
-    plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--threads", type=int, default=1)
-    plan.add_argument("--reuse-layers", action="store_true",
-                      help="one decision per operator of identical layers (faster solves)")
+    plan.add_argument("--solver", default=defaults.solver, help="alpa, alpa+dots, "
+                      "alpa+megatron, alpa+full, kiwi, kiwi-full, lynx-heu, lynx-opt (the Lynx "
+                      "solvers keep the reference plan's sharding); default %(default)s")
+    plan.add_argument("--backend", default=defaults.backend,
+                      help="highs (embedded), cpsat, gurobi; default %(default)s")
+    plan.add_argument("--time-limit", type=float, default=defaults.time_limit,
+                      help="solver seconds (default %(default)s)")
+    plan.add_argument("--gap", type=float, default=defaults.mip_gap,
+                      help="relative optimality gap (default %(default)s)")
+    plan.add_argument("--seed", type=int, default=defaults.seed)
+    plan.add_argument("--threads", type=int, default=defaults.threads)
+    plan.add_argument("--reuse-layers", action=argparse.BooleanOptionalAction,
+                      default=defaults.reuse_layers,
+                      help="one decision per operator of identical layers (faster solves; "
+                      "default %(default)s); --no-reuse-layers gives every operator its own "
+                      "(lynx-heu needs reuse)")
     plan.set_defaults(run=_cmd_plan)
     pipe = sub.add_parser("pipeline", help="partition a deep model into pipeline stages")
     _model_args(pipe)
@@ -284,18 +294,26 @@ def main(argv=None) -> int:
     pipe.add_argument("--method", default="lynx", help="even, lynx, dawnpiper")
     pipe.add_argument("--policy", default="lynx", help="recomputation in every stage: lynx "
                       "(Lynx-HEU), full, selective, none")
-    pipe.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
-    pipe.add_argument("--time-limit", type=float, default=60.0,
+    pipe.add_argument("--backend", default=defaults.backend,
+                      help="highs (embedded), cpsat, gurobi; default %(default)s")
+    pipe.add_argument("--time-limit", type=float, default=defaults.time_limit,
                       help="seconds for the sharding plan of the profiled layer")
     pipe.set_defaults(run=_cmd_pipeline)
     verify = sub.add_parser("verify", help="plan, apply, compile and check the step")
     _model_args(verify)
     verify.add_argument("--budget", default="60%", help="per-device budget, as for plan")
-    verify.add_argument("--solver", default="kiwi", help="alpa, alpa+dots, alpa+megatron, "
-                        "alpa+full, kiwi")
-    verify.add_argument("--backend", default="highs", help="highs (embedded), cpsat, gurobi")
-    verify.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
-    verify.add_argument("--gap", type=float, default=1e-3, help="relative optimality gap")
+    verify.add_argument("--solver", default=defaults.solver, help="alpa, alpa+dots, "
+                        "alpa+megatron, alpa+full, kiwi; default %(default)s")
+    verify.add_argument("--backend", default=defaults.backend,
+                        help="highs (embedded), cpsat, gurobi; default %(default)s")
+    verify.add_argument("--time-limit", type=float, default=defaults.time_limit,
+                        help="solver seconds (default %(default)s)")
+    verify.add_argument("--gap", type=float, default=defaults.mip_gap,
+                        help="relative optimality gap (default %(default)s)")
+    verify.add_argument("--reuse-layers", action=argparse.BooleanOptionalAction,
+                        default=defaults.reuse_layers,
+                        help="one decision per operator of identical layers (faster solves; "
+                        "default %(default)s)")
     verify.add_argument("--steps", type=int, default=3, help="steps compared with the plain step")
     verify.add_argument("--explain", action="store_true", help="print the plan per layer")
     verify.add_argument("--png", default=None, help="write the memory timeline to this PNG")

@@ -18,7 +18,8 @@ import dataclasses
 import numpy as np
 
 from kiwi_jax.strategies import ELEMENTWISE
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
 __all__ = ["merge_followers", "FOLLOWER_OPCODES"]
 
@@ -42,10 +43,9 @@ def merge_followers(problem: ShardingProblem) -> ShardingProblem:
     incoming: dict[int, list[int]] = {}
     for e, (_src, dst, _slot) in enumerate(problem.edges):
         incoming.setdefault(int(dst), []).append(e)
-    param = PHASES.index("param")
     k = problem.num_strategies
     for i in range(n):
-        if problem.opcodes[i] not in FOLLOWER_OPCODES or problem.phase[i] == param:
+        if problem.opcodes[i] not in FOLLOWER_OPCODES or problem.phase[i] == Phase.PARAM:
             continue
         edges = incoming.get(i, [])
         if not edges:

@@ -45,6 +45,7 @@ from kiwi_jax.plan import Plan, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
 from kiwi_jax.verify import VerifyReport, verify_prepared
+from solvers.options import DEFAULTS as SOLVER_DEFAULTS
 
 __all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
 
@@ -69,17 +70,17 @@ class Options:
     the peak of the fastest ``alpa`` plan with no memory limit."""
     cluster: object = "v100-nvlink"
     """Cluster preset name (``v100-nvlink``, ``a100-nvlink``, ``h100``, ...) or a Cluster."""
-    solver: str = "kiwi"
+    solver: str = SOLVER_DEFAULTS.solver
     """``kiwi`` (default), ``alpa``, ``alpa+dots``, ``alpa+megatron``, ``alpa+full``, or the
     Lynx solvers ``lynx-heu`` / ``lynx-opt`` (the reference plan's sharding, recomputation
     hidden under its collectives)."""
-    backend: str = "highs"
+    backend: str = SOLVER_DEFAULTS.backend
     """``highs`` (embedded), ``cpsat`` or ``gurobi``."""
-    time_limit: float = 60.0
+    time_limit: float = SOLVER_DEFAULTS.time_limit
     """Seconds for the solver; the best plan found by then is used (its gap is logged)."""
-    mip_gap: float = 1e-3
+    mip_gap: float = SOLVER_DEFAULTS.mip_gap
     """Relative optimality gap at which the solver stops."""
-    reuse_layers: bool = True
+    reuse_layers: bool = SOLVER_DEFAULTS.reuse_layers
     """Give corresponding operators of identical layers one decision (faster solves)."""
     cache_dir: object = None
     """Plan cache directory; None: ``$KIWI_JAX_CACHE_DIR`` or ``~/.cache/kiwi-jax``;
@@ -99,13 +100,16 @@ class Options:
                 "mip_gap": self.mip_gap, "reuse_layers": self.reuse_layers}
 
 
-def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink", solver="kiwi",
-             backend="highs", time_limit=60.0, mip_gap=1e-3, reuse_layers=True, cache_dir=None,
-             donate=True, overlap=True, memory_model="auto"):
+def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
+             solver=SOLVER_DEFAULTS.solver, backend=SOLVER_DEFAULTS.backend,
+             time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
+             reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
+             overlap=True, memory_model="auto"):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
-    Args: see :class:`Options`. Usable as ``@optimize(mesh=..., memory_budget=...)`` or
-    ``optimize(step, mesh=..., memory_budget=...)``.
+    Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
+    shared with :func:`solvers.solve` and ``kiwi-jax plan``. Usable as
+    ``@optimize(mesh=..., memory_budget=...)`` or ``optimize(step, mesh=..., memory_budget=...)``.
 
     Returns:
       An :class:`OptimizedStep`: call it like the step; ``.plan``, ``.explain()``, ``.verify()``.

@@ -30,12 +30,10 @@ from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 from solvers.lynx import layer_ops, split_costs
 from solvers.pipeline import Block, ModelProfile
-from solvers.problem import PHASES
+from solvers.phase import Phase
 
 __all__ = ["model_profile"]
 
-PARAM, FORWARD, BACKWARD, OPTIMIZER = (
-    PHASES.index(p) for p in ("param", "forward", "backward", "optimizer"))
 _ARGS = re.compile(r"^args(\[\d+\])+")
 
 
@@ -47,7 +45,7 @@ def _input_groups(problem, side_of_weight: dict[int, str]) -> dict[int, str]:
     """Per input node, 'layer', 'repeat' (another layer's), 'embed' or 'head' (optimizer state
     follows its weight; inputs that are no weight's, such as the batch, go with the
     embedding)."""
-    paths = {i: _path(problem.op_names[i]) for i in np.flatnonzero(problem.phase == PARAM)}
+    paths = {i: _path(problem.op_names[i]) for i in np.flatnonzero(problem.phase == Phase.PARAM)}
     weights = {paths[i]: side for i, side in side_of_weight.items() if paths[i]}
     out = {}
     for i, path in paths.items():
@@ -96,22 +94,22 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     tagged = problem.layer >= 0
     phase = problem.phase
 
-    untagged_fwd = (phase == FORWARD) & ~tagged
+    untagged_fwd = (phase == Phase.FORWARD) & ~tagged
     feeds_layer = np.zeros(problem.num_nodes, bool)
     readers: list[list[int]] = [[] for _ in range(problem.num_nodes)]
     for src, dst, _slot in problem.edges:           # data flow, fused values included
         readers[src].append(int(dst))
     for i in reversed(range(problem.num_nodes)):
-        feeds_layer[i] = any(tagged[r] and phase[r] == FORWARD or feeds_layer[r]
+        feeds_layer[i] = any(tagged[r] and phase[r] == Phase.FORWARD or feeds_layer[r]
                              for r in readers[i])
     embed_fwd = untagged_fwd & feeds_layer
     head_fwd = untagged_fwd & ~feeds_layer
-    untagged_bwd = (phase == BACKWARD) & ~tagged
-    embed_bwd = _downstream(problem, tagged & (phase == BACKWARD), untagged_bwd)
+    untagged_bwd = (phase == Phase.BACKWARD) & ~tagged
+    embed_bwd = _downstream(problem, tagged & (phase == Phase.BACKWARD), untagged_bwd)
     head_bwd = untagged_bwd & ~embed_bwd
 
     side_of_weight = {}
-    for i in np.flatnonzero(phase == PARAM):
+    for i in np.flatnonzero(phase == Phase.PARAM):
         users = readers[i]
         if problem.layer[i] == 0:
             side_of_weight[int(i)] = "layer"
@@ -126,7 +124,7 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     for i, side in groups.items():
         grad = memory[i] if i in side_of_weight else 0
         static[side] += int(memory[i] + grad)
-    optimizer = float(cost[phase == OPTIMIZER].sum())
+    optimizer = float(cost[phase == Phase.OPTIMIZER].sum())
     total_static = static["layer"] * 2 + static["embed"] + static["head"]
 
     def held(mask) -> int:
@@ -147,7 +145,7 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
                   static["layer"], layer_held)
     embed = block(embed_fwd, embed_bwd, static["embed"], held(embed_fwd))
     head = block(head_fwd, head_bwd, static["head"], held(head_fwd))
-    inputs = int(memory[phase == PARAM].sum())
+    inputs = int(memory[phase == Phase.PARAM].sum())
     workspace = max(0, plan.peak_bytes - inputs - 2 * layer_held - embed.held_bytes
                     - head.held_bytes)
     boundary = int(sum(memory[i] for i in ops.nodes

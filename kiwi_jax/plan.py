@@ -21,18 +21,12 @@ from kiwi_jax.cluster import parse_bytes
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.sharding import Comm, reshard_comms
 import solvers
-from solvers import lynx
 from solvers.simulator import SimResult, reduced_schedule, simulate
 
-__all__ = ["Plan", "solve_plan", "solve_problem", "solve_lynx",
-           "plan_from_solution", "resolve_budget", "predicted_comms", "attributed_comms",
-           "by_kind", "LYNX_SOLVERS"]
+__all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "predicted_comms",
+           "attributed_comms", "by_kind"]
 
 log = logging.getLogger(__name__)
-
-LYNX_SOLVERS = ("lynx-heu", "lynx-opt")
-"""Solvers that keep the reference plan's sharding and hide recomputation under its
-collectives (:mod:`solvers.lynx`)."""
 
 
 FORMAT = 2
@@ -230,7 +224,8 @@ def resolve_budget(budget, problem, **options) -> int:
         if not fraction > 0:
             raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
         reference = solvers.reference_plan(
-            problem, **{k: v for k, v in options.items() if k in ("backend", "time_limit")})
+            problem, **{k: v for k, v in options.items()
+                        if k in ("backend", "time_limit", "seed", "threads")})
         return int(fraction * reference.peak_bytes)
     return parse_bytes(budget)
 
@@ -287,32 +282,9 @@ def solve_plan(build: ProblemBuild, memory_budget, solver: str = "kiwi", **optio
     problem = build.problem
     budget = resolve_budget(memory_budget, problem, **options)
     start = time.perf_counter()
-    solution = solve_problem(problem, budget, solver, **options)
+    solution = solvers.solve(problem, budget, solver=solver, **options)
     log.info("%s: %s in %.2f s", solver, solution.status, time.perf_counter() - start)
     return plan_from_solution(build, solution, budget)
-
-
-def solve_problem(problem, budget: int | None, solver: str = "kiwi", **options
-                  ) -> solvers.Solution:
-    """:func:`solvers.solve`, or for :data:`LYNX_SOLVERS` :func:`solve_lynx`."""
-    if solver in LYNX_SOLVERS:
-        return solve_lynx(problem, budget, solver, **options)
-    return solvers.solve(problem, budget, solver=solver, **options)
-
-
-def solve_lynx(problem, budget: int, solver: str = "lynx-heu", backend: str = "highs",
-               time_limit: float = 60.0, mip_gap: float = 1e-4, **_ignored
-               ) -> solvers.Solution:
-    """Lynx-HEU, or Lynx-OPT started from it, on the sharding of the reference plan (the
-    fastest ``alpa`` plan with no memory limit)."""
-    if solver not in LYNX_SOLVERS:
-        raise ValueError(f"unknown Lynx solver {solver!r}; expected one of {LYNX_SOLVERS}")
-    strategy = solvers.reference_plan(problem, backend=backend, time_limit=time_limit).strategy
-    heu = lynx.lynx_heu(problem, budget, strategy, backend=backend)
-    if solver == "lynx-heu":
-        return heu
-    return lynx.lynx_opt(problem, budget, strategy, backend=backend, time_limit=time_limit,
-                         mip_gap=mip_gap, warm_start=heu)
 
 
 def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: int,

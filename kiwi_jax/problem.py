@@ -18,6 +18,7 @@ from kiwi_jax.merge import merge_followers
 from kiwi_jax.sharding import Spec, comm_seconds, reshard_comms
 from kiwi_jax.strategies import Strategy, node_strategies
 from solvers.problem import ShardingProblem
+from solvers.reuse import with_layer_ties
 
 __all__ = ["build_problem", "check_memory_model", "ProblemBuild", "MEMORY_MODELS"]
 
@@ -91,7 +92,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
       memory_model: one of :data:`MEMORY_MODELS`.
 
     Returns:
-      The problem with the strategy objects behind it.
+      The problem (its layer ties filled) with the strategy objects behind it.
     """
     mesh, cluster = MeshSpec.parse(mesh), Cluster.parse(cluster)
     check_memory_model(memory_model)
@@ -133,4 +134,5 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
             [(v, i) for i, values in enumerate(held) for v in values], np.int64).reshape(-1, 2))
     if merge:
         problem = merge_followers(problem)
+    problem = with_layer_ties(problem)
     return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported)

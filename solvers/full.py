@@ -38,11 +38,11 @@ import numpy as np
 
 from solvers.joint import Builder, JointModel
 from solvers.linexpr import Expr, total, var
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
 __all__ = ["FullModel", "build_full"]
 
-PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
 
 
 @dataclasses.dataclass
@@ -121,7 +121,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     p, b = problem, Builder(problem, None)
     model, n = b.model, problem.num_nodes
     cost = b.node_costs()
-    forward = p.phase == FORWARD
+    forward = p.phase == Phase.FORWARD
     horizon = _horizons(p, forward)
     operands = p.operands()
     reads_forward = np.zeros(n, bool)
@@ -158,7 +158,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
             model.add_terms([index] + before, [1.0] + [-1.0] * len(before), -np.inf, constant)
         if (t, i) in a:
             model.add_terms([index, a[t, i]], [1.0, 1.0], -np.inf, 1.0)
-    for t in np.flatnonzero(~forward & (p.phase != PARAM)):               # eq. 12
+    for t in np.flatnonzero(~forward & (p.phase != Phase.PARAM)):               # eq. 12
         for i in operands[int(t)]:
             if droppable[i]:
                 now, constant = held(int(t), i)
@@ -183,7 +183,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     if budget_bytes is not None or minimize_peak:
         terms = []
         for i in range(n):
-            if p.phase[i] == PARAM:
+            if p.phase[i] == Phase.PARAM:
                 terms.append((b.mem(i), 0, n - 1))
             elif droppable[i]:
                 terms.append((b.mem(i), i, int(p.fwd_last_use[i])))

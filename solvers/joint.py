@@ -37,11 +37,11 @@ import numpy as np
 
 from solvers.backend import Model
 from solvers.linexpr import Expr, const, total, var
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
 __all__ = ["JointModel", "build_joint", "Builder", "Units"]
 
-PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +405,7 @@ def _memory_rows(p, b: Builder, keep_expr, recomputable, budget, minimize_peak) 
     last = np.minimum(p.live, n - 1)
     terms: list[tuple[Expr, int, int]] = []
     for i in range(n):
-        if p.phase[i] == PARAM:
+        if p.phase[i] == Phase.PARAM:
             terms.append((b.mem(i), 0, n - 1))
         elif recomputable[i]:
             terms.append((b.mem(i), i, int(p.fwd_last_use[i])))
@@ -417,7 +417,8 @@ def _memory_rows(p, b: Builder, keep_expr, recomputable, budget, minimize_peak) 
             terms.append((b.mem(i), i, int(last[i])))
     for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
         src, dst = int(src), int(dst)
-        if not recomputable[dst] or p.phase[src] != FORWARD or p.first_bwd_use[dst] <= last[src]:
+        if not recomputable[dst] or p.phase[src] != Phase.FORWARD \
+                or p.first_bwd_use[dst] <= last[src]:
             continue
         dropped = const(1.0) - keep_expr[dst]
         if dropped.is_constant and dropped.constant == 0.0:

@@ -35,15 +35,17 @@ import numpy as np
 from solvers.backend import DEFAULT_BACKEND, Model
 from solvers.full import build_full
 from solvers.linexpr import Expr, const, total, var
-from solvers.problem import PHASES, ShardingProblem
+from solvers.options import DEFAULTS
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 from solvers.simulator import overlapped_recomputations, simulate
-from solvers.solution import InfeasibleBudgetError, Solution, SolverError, Status, gap_to
+from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Status, gap_to,
+                              status_within_gap)
 
 __all__ = ["LayerOps", "LayerPolicy", "layer_ops", "heu_policy", "policy_from_keep", "lynx_heu",
            "lynx_opt", "split_costs", "fixed_strategy"]
 
 log = logging.getLogger(__name__)
-FORWARD, BACKWARD = PHASES.index("forward"), PHASES.index("backward")
 WINDOW_PENALTY = 1e-3
 """Objective weight of overlapped recomputation (Lynx's is 0): among plans with the same
 critical path, keep what memory allows."""
@@ -125,8 +127,8 @@ def layer_ops(problem: ShardingProblem, strategy, layer: int) -> LayerOps:
     compute, comm = split_costs(problem, strategy)
     memory = problem.memory_of(strategy)
     in_layer = problem.layer == layer
-    fwd = np.flatnonzero(in_layer & (problem.phase == FORWARD))
-    bwd = np.flatnonzero(in_layer & (problem.phase == BACKWARD))
+    fwd = np.flatnonzero(in_layer & (problem.phase == Phase.FORWARD))
+    bwd = np.flatnonzero(in_layer & (problem.phase == Phase.BACKWARD))
     if not len(fwd):
         raise ValueError(f"layer {layer} has no forward operators")
     local = {int(n): k for k, n in enumerate(fwd)}
@@ -239,7 +241,8 @@ def policy_from_keep(ops: LayerOps, keep) -> LayerPolicy:
 def heu_policy(ops: LayerOps, activation_budget: float | None, layers: int = 1,
                in_flight: int = 1, forward_windows: bool = False,
                backend: str = DEFAULT_BACKEND, time_limit: float = 10.0,
-               minimize_memory: bool = False, pooled: bool = True) -> LayerPolicy | None:
+               minimize_memory: bool = False, pooled: bool = True, seed: int = DEFAULTS.seed,
+               threads: int = DEFAULTS.threads) -> LayerPolicy | None:
     """Lynx-HEU for one layer: choose S (keep) and the phase of every recomputation.
 
     Program (Lynx eq. 2-9): binaries S_i and R_{t,i} for phases t = windows, on demand;
@@ -269,6 +272,8 @@ def heu_policy(ops: LayerOps, activation_budget: float | None, layers: int = 1,
         (pipeline stages other than the last).
       minimize_memory: minimise the held bytes instead (for the smallest feasible budget).
       pooled: one phase per pass instead of one per collective (see above).
+      seed, threads: the backend's (see :class:`~solvers.options.SolverOptions`); the program
+        is solved to a 1e-6 gap within ``time_limit``.
 
     Returns:
       The policy, or None when no policy fits the budget.
@@ -328,7 +333,8 @@ def heu_policy(ops: LayerOps, activation_budget: float | None, layers: int = 1,
             [var(r_var[i, n_phases], cost[i] / time_scale) for i in np.flatnonzero(decide)]
             + [var(r_var[i, t], WINDOW_PENALTY * ops.compute[i] / time_scale)
                for i in np.flatnonzero(decide) for t in range(n_phases) if r_var[i, t] >= 0]))
-    result = model.solve(backend, time_limit=time_limit, mip_gap=1e-6)
+    result = model.solve(backend, time_limit=time_limit, mip_gap=1e-6, seed=seed,
+                         threads=threads)
     if result.x is None:
         if result.status not in (Status.INFEASIBLE, Status.TIMEOUT_NO_INCUMBENT):
             raise SolverError(f"lynx-heu: backend {backend} failed ({result.status.value})")
@@ -392,7 +398,8 @@ def _counterparts(problem: ShardingProblem, ops: LayerOps) -> dict[int, dict[int
             raise ValueError(
                 f"lynx-heu applies one layer's policy to every layer, but layer {layer} has no "
                 f"counterpart for {missing} of the reference layer's {ops.size} forward "
-                "operators: the layers are not identical; use solver 'kiwi' or 'lynx-opt'")
+                "operators: the layers are not identical (or the problem was built without its "
+                "layer ties: solvers.reuse.with_layer_ties); use solver 'kiwi' or 'lynx-opt'")
         if missing:
             log.info("lynx-heu: layer %d keeps %d operators that differ from the reference "
                      "layer's", layer, missing)
@@ -446,7 +453,8 @@ def _solution(problem: ShardingProblem, strategy, schedule: dict[int, tuple[int,
 
 
 def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
-             backend: str = DEFAULT_BACKEND, time_limit: float = 10.0) -> Solution:
+             backend: str = DEFAULT_BACKEND, time_limit: float = 10.0,
+             seed: int = DEFAULTS.seed, threads: int = DEFAULTS.threads) -> Solution:
     """Lynx-HEU on a whole train step (one stage, one micro-batch: backward windows and on
     demand, as on Lynx's last pipeline stage): the sharding is fixed to ``strategy``, one layer's
     policy is solved and applied to every layer, and the simulator checks the step's peak; when
@@ -454,6 +462,9 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     again, and the layer's activation budget is also swept; the fastest plan that fits wins,
     and is polished by local moves on the whole step (:func:`_polish`; on 14 random layered
     graphs this took HEU from 0.84 to 0.94 of Lynx-OPT's throughput, median).
+
+    ``backend``, ``time_limit`` (each layer program's), ``seed`` and ``threads`` go to every
+    layer program (:func:`heu_policy`).
 
     Raises:
       InfeasibleBudgetError: no policy fits; carries the peak of the policy holding least.
@@ -470,10 +481,10 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     held_all = len(layers) * ops.kept_bytes(ops.needed | ops.pinned)
     rest = keep_all.peak_bytes - held_all
     budget = None if budget_bytes is None else budget_bytes - rest
+    program = {"backend": backend, "time_limit": time_limit, "seed": seed, "threads": threads}
     found: list[tuple[LayerPolicy, dict, object]] = []
     for _round in range(8):
-        policy = heu_policy(ops, budget, layers=len(layers), backend=backend,
-                            time_limit=time_limit)
+        policy = heu_policy(ops, budget, layers=len(layers), **program)
         if policy is None:
             break
         found.append(_candidate(problem, strategy, ops, policy, counterparts))
@@ -486,8 +497,7 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
         # lowering by the excess overshoots, and the peak is not monotone in the held bytes
         # (values recomputed together can peak above the ones they replace): sweep the layer's
         # activation budget as well and keep the fastest plan that fits
-        found += _sweep(problem, strategy, ops, counterparts, len(layers), held_all, backend,
-                        time_limit)
+        found += _sweep(problem, strategy, ops, counterparts, len(layers), held_all, program)
     solves = sum(c[0].solve_seconds for c in found)
     fitting = [c for c in found if budget_bytes is None or c[2].peak_bytes <= budget_bytes]
     if not fitting:
@@ -516,7 +526,7 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
         return schedule, sim
     compute, comm = split_costs(problem, strategy)
     cost = compute + comm
-    windows = np.flatnonzero((comm > 0) & (problem.phase == BACKWARD))
+    windows = np.flatnonzero((comm > 0) & (problem.phase == Phase.BACKWARD))
     operands = problem.operands()
     deadline = time.perf_counter() + seconds
 
@@ -559,18 +569,18 @@ def _polish(problem, strategy, schedule, sim, budget_bytes, seconds: float = 1.0
     return schedule, sim
 
 
-def _sweep(problem, strategy, ops, counterparts, layers, held_all, backend, time_limit,
+def _sweep(problem, strategy, ops, counterparts, layers, held_all, program: dict,
            points: int = 8) -> list[tuple[LayerPolicy, dict, object]]:
     """HEU policies for activation budgets from the least the layer can hold to all of it,
     with their schedules and simulations (the step's peak is not monotone in the held bytes:
-    values recomputed together in the backward pass can peak above the ones they replace)."""
-    least = heu_policy(ops, None, layers=layers, backend=backend, time_limit=time_limit,
-                       minimize_memory=True)
+    values recomputed together in the backward pass can peak above the ones they replace);
+    ``program``: :func:`heu_policy`'s backend settings."""
+    least = heu_policy(ops, None, layers=layers, minimize_memory=True, **program)
     if least is None:
         return []
     out = []
     for budget in np.linspace(layers * least.held_bytes, held_all, points):
-        policy = heu_policy(ops, budget, layers=layers, backend=backend, time_limit=time_limit)
+        policy = heu_policy(ops, budget, layers=layers, **program)
         if policy is not None:
             out.append(_candidate(problem, strategy, ops, policy, counterparts))
     return out
@@ -584,8 +594,9 @@ def _candidate(problem, strategy, ops, policy: LayerPolicy, counterparts
 
 
 def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
-             backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
-             mip_gap: float = 1e-4, warm_start: Solution | None = None) -> Solution:
+             backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+             mip_gap: float = DEFAULTS.mip_gap, warm_start: Solution | None = None,
+             seed: int = DEFAULTS.seed, threads: int = DEFAULTS.threads) -> Solution:
     """Lynx-OPT: the staged program over the whole graph with the sharding fixed, nodes with
     collectives as extra recomputation stages, and the overlap credit in the objective.
 
@@ -601,6 +612,8 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
 
     Args:
       warm_start: a plan with the same sharding to start from (e.g. :func:`lynx_heu`'s).
+      backend, time_limit, mip_gap, seed, threads: the backend's (see
+        :class:`~solvers.options.SolverOptions`).
     """
     start = time.perf_counter()
     strategy = np.asarray(strategy)
@@ -639,7 +652,8 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
     model.minimize(model.objective + total(credit))
     hint = staged.hint(fixed, np.zeros(problem.num_nodes, np.int64),
                        recompute_at=None if warm_start is None else warm_start.recompute_at)
-    result = model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, hint=hint)
+    result = model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
+                         threads=threads, hint=hint)
     # No plan with this sharding is faster than keeping everything: a recomputation runs at
     # least once more and its overlap credit is at most its compute. HiGHS's own bound on the
     # 2-layer GPT's program is no better after 60 s (its LP relaxation's optimum is the
@@ -657,9 +671,7 @@ def lynx_opt(problem: ShardingProblem, budget_bytes: int | None, strategy,
         raise SolverError(f"lynx-opt: no plan ({result.status.value}) in {time_limit:.0f} s")
     schedule = staged.schedule(result.x)
     sim = simulate(problem, strategy, recompute_at=schedule, overlap=True)
-    status = result.status
-    if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
-        status = Status.FEASIBLE
+    status = status_within_gap(result.status, result.gap, mip_gap)
     objective = float(result.objective) * units
     return _solution(
         problem, strategy, schedule, sim, status=status, objective=objective,

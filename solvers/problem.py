@@ -12,13 +12,15 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 
 import numpy as np
 
-__all__ = ["PHASES", "ShardingProblem"]
+from solvers.phase import Phase
 
-PHASES = ("param", "forward", "backward", "optimizer")
+__all__ = ["ShardingProblem"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,7 @@ class ShardingProblem:
     opcodes: tuple[str, ...]
     """HLO opcode per node."""
     phase: np.ndarray
-    """int8 per node: index into PHASES."""
+    """int8 per node: the :class:`~solvers.phase.Phase` value."""
     layer: np.ndarray
     """int per node: repeated-layer index, -1 outside layers."""
     strategy_names: tuple[tuple[str, ...], ...]
@@ -74,6 +76,13 @@ class ShardingProblem:
     memory semantics of the edges. A value the compiler fuses into its readers (no buffer, no
     memory) is resolved to the values it reads; see :func:`hlo_tools.liveness.held_operands`.
     Default: the edges' (source, destination) pairs."""
+    ties: np.ndarray | None = None
+    """int per node: the node of the first repeated layer whose decisions it copies under layer
+    reuse (itself when untied), as :func:`solvers.reuse.layer_ties` finds them. Filled where
+    problems are built (``kiwi_jax.build_problem``, :mod:`solvers.synthetic`, :meth:`load`,
+    through :func:`solvers.reuse.with_layer_ties`). Default: the identity, nothing tied, so that
+    ``reuse_layers`` solves such a problem untied. ``dataclasses.replace`` copies it: after
+    changing names, phases, costs or memory, fill it again with ``with_layer_ties``."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -86,6 +95,11 @@ class ShardingProblem:
             pairs = np.asarray(self.edges, np.int64).reshape(-1, 3)[:, :2]
             object.__setattr__(self, "uses", np.array(list(dict.fromkeys(map(tuple, pairs))),
                                                       np.int64).reshape(-1, 2))
+        if self.ties is None:
+            object.__setattr__(self, "ties", np.arange(n))
+        if len(self.ties) != n:
+            raise ValueError(f"ties has {len(self.ties)} entries for {n} nodes; expected one per "
+                             "node (solvers.reuse.with_layer_ties fills it)")
         for field in ("compute", "comm", "memory", "strategy_names"):
             if len(getattr(self, field)) != n:
                 raise ValueError(f"{field} has {len(getattr(self, field))} entries for {n} nodes")
@@ -111,16 +125,8 @@ class ShardingProblem:
         before the last forward reader is done with them: those are alive throughout, dropping
         them frees nothing, and counting their two lifetime parts separately would count the
         overlap twice."""
-        return (self.phase == PHASES.index("forward")) & self.z \
+        return (self.phase == Phase.FORWARD) & self.z \
             & (self.first_bwd_use > self.fwd_last_use)
-
-    @functools.cached_property
-    def ties(self) -> np.ndarray:
-        """Per node, the node of the first repeated layer whose decisions it copies under layer
-        reuse (itself when untied); see :func:`solvers.reuse.layer_ties`. Computed once."""
-        from solvers.reuse import layer_ties   # local: reuse builds on this module
-
-        return layer_ties(self)
 
     @property
     def leaders(self) -> np.ndarray:
@@ -169,7 +175,7 @@ class ShardingProblem:
         elif which == "L":
             key = self.fwd_last_use
         elif which == "Y":
-            key = np.where(self.phase != PHASES.index("forward"), self.live, -1)
+            key = np.where(self.phase != Phase.FORWARD, self.live, -1)
         else:
             raise ValueError(f"expected 'X', 'L' or 'Y', got {which!r}")
         out: dict[int, list[int]] = {}
@@ -189,10 +195,10 @@ class ShardingProblem:
             "edges": int(len(self.edges)),
             "strategies_total": int(self.num_strategies.sum()),
             "nodes_after_merge": int(len(self.leaders)),
-            "forward_nodes": int((self.phase == 1).sum()),
-            "backward_nodes": int((self.phase == 2).sum()),
-            "optimizer_nodes": int((self.phase == 3).sum()),
-            "param_nodes": int((self.phase == 0).sum()),
+            "forward_nodes": int((self.phase == Phase.FORWARD).sum()),
+            "backward_nodes": int((self.phase == Phase.BACKWARD).sum()),
+            "optimizer_nodes": int((self.phase == Phase.OPTIMIZER).sum()),
+            "param_nodes": int((self.phase == Phase.PARAM).sum()),
             "recomputable_nodes": int(self.recomputable.sum()),
             "mesh": f"{self.mesh_shape[0]}x{self.mesh_shape[1]}",
         }
@@ -210,13 +216,19 @@ class ShardingProblem:
             fwd_last_use=self.fwd_last_use, first_bwd_use=self.first_bwd_use,
             is_output=self.is_output, mesh_shape=np.array(self.mesh_shape), flops=self.flops,
             peak_flops=np.array(self.peak_flops), leader=self.leader, uses=self.uses,
+            ties=self.ties,
             op_names=np.array(self.op_names, dtype=str),
             strategy_names=np.array(["\n".join(s) for s in self.strategy_names]), **arrays)
 
     @classmethod
     def load(cls, path) -> "ShardingProblem":
-        """Read a problem written by :meth:`save`."""
+        """Read a problem written by :meth:`save`. A file written before problems carried their
+        layer ties gets the identity (see :attr:`ties`), with a warning."""
         with np.load(path) as data:
+            if "ties" not in data:
+                log.warning("%s holds no layer ties (written before problems stored them): "
+                            "nothing is tied; solvers.reuse.with_layer_ties(problem) finds them",
+                            path)
             n, e = len(data["names"]), len(data["edges"])
             return cls(
                 names=tuple(data["names"].tolist()), opcodes=tuple(data["opcodes"].tolist()),
@@ -232,4 +244,5 @@ class ShardingProblem:
                 peak_flops=float(data["peak_flops"]), leader=data["leader"],
                 follow=tuple(data[f"follow_{i}"] for i in range(n)),
                 op_names=tuple(data["op_names"].tolist()),
-                uses=data["uses"] if "uses" in data else None)
+                uses=data["uses"] if "uses" in data else None,
+                ties=data["ties"] if "ties" in data else None)

@@ -23,16 +23,17 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
 
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
-__all__ = ["layer_ties", "has_ties"]
+__all__ = ["layer_ties", "with_layer_ties", "has_ties"]
 
 _DIGITS = re.compile(r"\d+")
-PARAM = PHASES.index("param")
 
 
 def _same(problem: ShardingProblem, i: int, j: int) -> bool:
@@ -76,7 +77,7 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
                     tie[i] = j
 
     first_of: dict[tuple, int] = {}          # inputs outside layers (optimizer state)
-    for i in np.flatnonzero((problem.layer < 0) & (problem.phase == PARAM)):
+    for i in np.flatnonzero((problem.layer < 0) & (problem.phase == Phase.PARAM)):
         twin = first_of.setdefault(key(i), int(i))
         if twin != i and _same(problem, int(i), twin):
             tie[i] = twin
@@ -98,6 +99,12 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
             seen.setdefault(signature, i)
     assert (tie[tie] == tie).all()
     return tie
+
+
+def with_layer_ties(problem: ShardingProblem) -> ShardingProblem:
+    """The problem with :attr:`~solvers.problem.ShardingProblem.ties` filled by
+    :func:`layer_ties` (what every problem builder returns)."""
+    return dataclasses.replace(problem, ties=layer_ties(problem))
 
 
 def has_ties(tie: np.ndarray) -> bool:

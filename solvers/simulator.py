@@ -34,11 +34,11 @@ import dataclasses
 
 import numpy as np
 
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
 
 __all__ = ["SimResult", "simulate", "reduced_schedule", "overlapped_recomputations"]
 
-PARAM, FORWARD = PHASES.index("param"), PHASES.index("forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
 
     delta = np.zeros(n + 2, dtype=np.int64)
     for i in range(n):
-        if problem.phase[i] == PARAM:
+        if problem.phase[i] == Phase.PARAM:
             delta[0] += memory[i]
             delta[n + 1] -= memory[i]
             continue
@@ -133,7 +133,7 @@ def live_bytes(problem: ShardingProblem, strategy, stage: int,
     n = problem.num_nodes
     served_until = _lifetimes(problem, recompute_at or {}, problem.operands())
     memory = problem.memory_of(np.asarray(strategy, dtype=np.int64))
-    copies = np.array([1 if problem.phase[i] == PARAM else
+    copies = np.array([1 if problem.phase[i] == Phase.PARAM else
                        sum(c <= stage <= min(until, n) for c, until in served_until[i].items())
                        for i in range(n)], np.int64)
     return memory * copies
@@ -150,7 +150,7 @@ def _lifetimes(problem: ShardingProblem, recompute_at, operands) -> list[dict[in
     n = problem.num_nodes
     creations = [[i] for i in range(n)]
     for i, stages in recompute_at.items():
-        if problem.phase[i] != FORWARD:
+        if problem.phase[i] != Phase.FORWARD:
             raise ValueError(f"{problem.names[i]} is not a forward node; only forward values "
                              "are recomputed")
         bad = [t for t in stages if t <= i or t >= n]
@@ -166,7 +166,7 @@ def _lifetimes(problem: ShardingProblem, recompute_at, operands) -> list[dict[in
             recomputed_in.setdefault(int(t), []).append(int(i))
 
     def use(i: int, t: int) -> None:
-        if problem.phase[i] == PARAM:
+        if problem.phase[i] == Phase.PARAM:
             return
         c = creations[i][bisect.bisect_right(creations[i], t) - 1]     # stage i <= t
         served_until[i][c] = max(served_until[i][c], t)

@@ -8,7 +8,7 @@ import enum
 import numpy as np
 
 __all__ = ["Status", "Solution", "InfeasibleBudgetError", "SolverUnavailableError",
-           "SolverTimeoutError", "SolverError", "gap_to"]
+           "SolverTimeoutError", "SolverError", "gap_to", "status_within_gap"]
 
 GIB = 2**30
 
@@ -107,6 +107,21 @@ def gap_to(objective: float, bound: float | None) -> float:
     if bound is None:
         return float("inf")
     return max(1 - bound / objective, 0.0) if objective > 0 else 0.0
+
+
+def status_within_gap(status: Status, gap: float, mip_gap: float) -> Status:
+    """A backend's status, held to the gap that was asked for: OPTIMAL with a relative gap above
+    ``mip_gap`` (beyond a 0.1% tolerance, and at least 1e-9) is FEASIBLE. Backends call a search
+    stopped by their own tolerances optimal; the status promises the gap the caller asked for.
+
+    Args:
+      status: the backend's mapped outcome.
+      gap: the relative gap of its incumbent (see :attr:`solvers.backend.MilpResult.gap`).
+      mip_gap: the relative gap the solve was asked to reach.
+    """
+    if status == Status.OPTIMAL and gap > max(mip_gap, 1e-9) * 1.001:
+        return Status.FEASIBLE
+    return status
 
 
 class InfeasibleBudgetError(ValueError):

@@ -1,4 +1,5 @@
-"""Solve a sharding problem with one of the formulations, and find the smallest feasible budget.
+"""Solve a sharding problem with one of the MILP formulations, and find the smallest feasible
+budget. :func:`solvers.solve` dispatches here (:mod:`solvers.dispatch`).
 
 References:
   KIWI (Liu et al.), eq. 2-11 (``kiwi``), eq. 1 with appendix eq. 12-23 (``kiwi-full``);
@@ -14,25 +15,32 @@ import time
 
 import numpy as np
 
-from solvers.backend import DEFAULT_BACKEND
 from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
 from solvers.joint import build_joint
+from solvers.options import DEFAULTS, SolverOptions
 from solvers.problem import ShardingProblem
 from solvers.reuse import has_ties
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
-                              Status, gap_to)
+                              Status, gap_to, status_within_gap)
 
-__all__ = ["SOLVERS", "solve", "min_feasible_budget", "min_peak_plan", "reference_plan"]
+__all__ = ["MILP_SOLVERS", "solve_milp", "min_feasible_budget", "min_peak_plan",
+           "reference_plan"]
 
-SOLVERS = (*RULES, "kiwi", "kiwi-full")
+MILP_SOLVERS = (*RULES, "kiwi", "kiwi-full")
+"""The formulations solved here, each as one MILP (the heuristic baselines with their keep
+flags fixed)."""
+REFERENCE_GAP = 1e-4
+"""Relative gap of the reference plan's solves: it is the 100% of percentage budgets, so it is
+held tighter than the plans solved under a budget (:data:`solvers.options.DEFAULTS`)."""
 log = logging.getLogger(__name__)
 
 
 def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers):
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; expected one of {', '.join(SOLVERS)}")
+    if solver not in MILP_SOLVERS:
+        raise ValueError(f"{solver!r} is not one of the MILP formulations "
+                         f"({', '.join(MILP_SOLVERS)})")
     if solver == "kiwi-full":
         return build_full(problem, budget, minimize_peak=minimize_peak), None
     fixed = None if solver == "kiwi" else RULES[solver](problem)
@@ -49,24 +57,23 @@ def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
     return strategy, keep, schedule, simulate(problem, strategy, recompute_at=schedule)
 
 
-def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiwi",
-          backend: str = DEFAULT_BACKEND, time_limit: float = 60.0, mip_gap: float = 1e-4,
-          seed: int = 0, threads: int = 1, reuse_layers: bool = False,
-          warm_start: Solution | str | None = "auto",
-          search_min_feasible: bool = True) -> Solution:
-    """Plan ``problem`` under a per-device budget (None: no memory limit).
+def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: SolverOptions, *,
+               warm_start: Solution | str | None = "auto",
+               search_min_feasible: bool = True) -> Solution:
+    """Plan ``problem`` under a per-device budget (None: no memory limit) with one of
+    :data:`MILP_SOLVERS` (``options.solver``).
+
+    How the options apply: ``time_limit`` bounds the warm-start stages and the final solve
+    together (the search for the smallest feasible budget after an infeasible one gets its
+    own); ``mip_gap``, ``seed`` and ``threads`` are the final solve's (the warm-start stages
+    stop at :data:`STAGE_GAP`, with seed 0 on one thread); ``reuse_layers`` solves the tied
+    program (``kiwi-full``, whose staged program has no tied form, uses it for its warm-start
+    stages only).
 
     Args:
       problem: the costed problem.
       budget_bytes: per-device memory budget, or None.
-      solver: one of :data:`SOLVERS`.
-      backend: ``highs`` (embedded default), ``cpsat`` or ``gurobi``.
-      time_limit: seconds for the backend; the best plan found by then is returned with its gap.
-      mip_gap: relative optimality gap at which to stop.
-      seed: the backend's random seed (same seed, same model: same answer).
-      threads: backend threads.
-      reuse_layers: give corresponding operators of identical layers one decision (solve one
-        layer, apply it to its repeats): fewer variables, possibly a worse plan.
+      options: formulation, backend and limits (see :class:`~solvers.options.SolverOptions`).
       warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
         (default): under a budget, first find a plan that fits (the backends' own heuristics
         often find none on large graphs) from the tied program of repeated layers or from the
@@ -81,15 +88,20 @@ def solve(problem: ShardingProblem, budget_bytes: int | None, solver: str = "kiw
     """
     if isinstance(warm_start, str) and warm_start != "auto":
         raise ValueError(f"warm_start: expected a Solution, 'auto' or None, got {warm_start!r}")
+    solver, backend, time_limit = options.solver, options.backend, options.time_limit
+    reuse_layers = options.reuse_layers
+    if solver not in MILP_SOLVERS:
+        raise ValueError(f"{solver!r} is not one of the MILP formulations "
+                         f"({', '.join(MILP_SOLVERS)}); solvers.solve takes every formulation")
     deadline = time.perf_counter() + time_limit
     staged = warm_start == "auto"
     if staged:
         warm_start = None if budget_bytes is None else _warm_start(
             problem, solver, budget_bytes, backend, time_limit, reuse_layers)
-    options = {"backend": backend, "mip_gap": mip_gap, "seed": seed, "threads": threads,
-               "reuse_layers": reuse_layers}
+    settings = {"backend": backend, "mip_gap": options.mip_gap, "seed": options.seed,
+                "threads": options.threads, "reuse_layers": reuse_layers}
     try:
-        solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **options)
+        solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **settings)
     except SolverTimeoutError:
         if not staged or warm_start is None:
             raise
@@ -166,9 +178,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     else:
         raise SolverError(f"{solver}: the backend's plans stay over the budget ({peak} > "
                           f"{budget_bytes} bytes)")
-    status = result.status
-    if status == Status.OPTIMAL and result.gap > max(mip_gap, 1e-9) * 1.001:
-        status = Status.FEASIBLE
+    status = status_within_gap(result.status, result.gap, mip_gap)
     return Solution(
         solver=solver, backend=backend, status=status,
         objective=float(result.objective) * joint.units.seconds,
@@ -238,13 +248,15 @@ def _improve(problem, budget, solver, plan: Solution, deadline: float, options) 
     return better if better is not None and better.objective <= plan.objective else plan
 
 
-def min_peak_plan(problem: ShardingProblem, solver: str = "kiwi",
-                  backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
-                  reuse_layers: bool = False, mip_gap: float = 1e-6,
+def min_peak_plan(problem: ShardingProblem, solver: str = DEFAULTS.solver,
+                  backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+                  reuse_layers: bool = DEFAULTS.reuse_layers, mip_gap: float = 1e-6,
                   ) -> tuple[Solution | None, int | None]:
-    """The plan of ``solver`` with the lowest per-device peak: the same program with the peak
-    minimised instead of the step time. It fits every budget at or above its peak, so it is a
-    warm start for any of them.
+    """The plan of ``solver`` (one of :data:`MILP_SOLVERS`) with the lowest per-device peak:
+    the same program with the peak minimised instead of the step time. It fits every budget at
+    or above its peak, so it is a warm start for any of them. Its defaults are
+    :func:`solvers.solve`'s but for the gap: a bound on the smallest budget is held tight
+    (1e-6).
 
     The program's memory rows bound the simulator's replay from above (the claimed peak is
     never below the simulated one, and on the 1-layer GPT it was above), so the budget a plan
@@ -284,11 +296,12 @@ def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) ->
     return dataclasses.replace(plan, budget_bytes=budget)
 
 
-def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
-                        backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
-                        reuse_layers: bool = False) -> tuple[int | None, int | None]:
+def min_feasible_budget(problem: ShardingProblem, solver: str = DEFAULTS.solver,
+                        backend: str = DEFAULTS.backend, time_limit: float = DEFAULTS.time_limit,
+                        reuse_layers: bool = DEFAULTS.reuse_layers,
+                        ) -> tuple[int | None, int | None]:
     """Bounds on the smallest per-device peak a plan of ``solver`` can have (see
-    :func:`min_peak_plan`).
+    :func:`min_peak_plan`; its defaults are :func:`solvers.solve`'s, so the two agree).
 
     Returns:
       ``(lower, upper)``: no plan fits under ``lower``; a plan that fits ``upper`` exists (equal
@@ -298,8 +311,9 @@ def min_feasible_budget(problem: ShardingProblem, solver: str = "kiwi",
     return (None, None) if plan is None else (lower, plan.budget_bytes)
 
 
-def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
-                   time_limit: float = 60.0) -> Solution:
+def reference_plan(problem: ShardingProblem, backend: str = DEFAULTS.backend,
+                   time_limit: float = DEFAULTS.time_limit, seed: int = DEFAULTS.seed,
+                   threads: int = DEFAULTS.threads) -> Solution:
     """The ``alpa`` plan with no memory limit that, among the fastest ones, peaks lowest: the
     100% of budgets given as percentages.
 
@@ -312,13 +326,15 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
     time held at the optimum. That solve runs on the tied program when the graph has repeated
     layers (it finishes in seconds where the full one may not within the time limit, which
     would make the reference depend on the limit), else, or if it finds nothing, on the full
-    program.
+    program. Every solve stops at :data:`REFERENCE_GAP`.
     """
     ties = problem.ties
-    tied = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit / 2,
-                 reuse_layers=True) if has_ties(ties) else None
-    fastest = solve(problem, None, solver="alpa", backend=backend, time_limit=time_limit,
-                    warm_start=tied)
+    alpa = SolverOptions(solver="alpa", backend=backend, time_limit=time_limit,
+                         mip_gap=REFERENCE_GAP, reuse_layers=False, seed=seed, threads=threads)
+    tied = solve_milp(problem, None, dataclasses.replace(alpa, time_limit=time_limit / 2,
+                                                         reuse_layers=True)) \
+        if has_ties(ties) else None
+    fastest = solve_milp(problem, None, alpa, warm_start=tied)
     if tied is not None and tied.objective < fastest.objective:
         fastest = tied
     fixed = RULES["alpa"](problem)
@@ -326,7 +342,8 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULT_BACKEND,
         joint = build_joint(problem, None, fixed_keep=fixed, minimize_peak=True, tie=tie,
                             max_seconds=fastest.objective * (1 + 1e-7))
         hint = joint.hint(problem, fastest.strategy) if tie is None else None
-        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=1e-4, hint=hint)
+        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=REFERENCE_GAP,
+                                   seed=seed, threads=threads, hint=hint)
         if result.x is None:
             continue
         strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)

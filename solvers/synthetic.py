@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from solvers.problem import PHASES, ShardingProblem
+from solvers.phase import Phase
+from solvers.problem import ShardingProblem
+from solvers.reuse import with_layer_ties
 
-__all__ = ["make_problem", "layered_problem", "PARAM", "FORWARD", "BACKWARD", "OPTIMIZER"]
-
-PARAM, FORWARD, BACKWARD, OPTIMIZER = (
-    PHASES.index(p) for p in ("param", "forward", "backward", "optimizer"))
+__all__ = ["make_problem", "layered_problem"]
 
 
 def make_problem(phases, edges, compute, memory, comm=None, resharding=None, outputs=(),
@@ -22,13 +21,16 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
     """A problem from per-node lists.
 
     Args:
-      phases: phase index per node (topological order).
+      phases: :class:`~solvers.phase.Phase` per node (topological order).
       edges: ``(src, dst)`` pairs; operand slots are numbered per destination.
       compute: per node, compute seconds per strategy.
       memory: per node, bytes per strategy.
       comm: per node, communication seconds per strategy (default zeros).
       resharding: per edge, a [src strategies, dst strategies] matrix (default zeros).
       outputs: ids of the step's outputs.
+
+    Returns:
+      The problem, its layer ties filled (:func:`solvers.reuse.with_layer_ties`).
     """
     n = len(phases)
     phase = np.array(phases, np.int8)
@@ -54,13 +56,13 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
     z = np.zeros(n, bool)
     fwd_last = np.full(n, -1)
     first_bwd = np.full(n, -1)
-    for i in np.flatnonzero(phase == FORWARD):
-        later = sorted(u for u in users[i] if phase[u] in (BACKWARD, OPTIMIZER))
-        forward = [u for u in users[i] if phase[u] == FORWARD]
+    for i in np.flatnonzero(phase == Phase.FORWARD):
+        later = sorted(u for u in users[i] if phase[u] in (Phase.BACKWARD, Phase.OPTIMIZER))
+        forward = [u for u in users[i] if phase[u] == Phase.FORWARD]
         fwd_last[i] = max(forward) if forward else i
         if later:
             z[i], first_bwd[i] = True, later[0]
-    return ShardingProblem(
+    return with_layer_ties(ShardingProblem(
         names=tuple(f"n{i}" for i in range(n)),
         opcodes=tuple(opcodes) if opcodes else tuple("op" for _ in range(n)), phase=phase,
         layer=np.full(n, -1) if layer is None else np.array(layer),
@@ -68,7 +70,7 @@ def make_problem(phases, edges, compute, memory, comm=None, resharding=None, out
         compute=compute, comm=comm, memory=memory, edges=edge_array,
         resharding=tuple(np.array(r, float) for r in resharding), z=z, live=live,
         fwd_last_use=fwd_last, first_bwd_use=first_bwd, is_output=is_output,
-        mesh_shape=mesh_shape, flops=np.ones(n), peak_flops=1e12)
+        mesh_shape=mesh_shape, flops=np.ones(n), peak_flops=1e12))
 
 
 def layered_problem(layers: int = 2, window_comm: float = 1.5, seed: int | None = None,
@@ -103,19 +105,19 @@ def layered_problem(layers: int = 2, window_comm: float = 1.5, seed: int | None 
         edges.extend((j, len(phases) - 1) for j in inputs)
         return len(phases) - 1
 
-    h = node(PARAM, [], 0.0, 10, -1)
+    h = node(Phase.PARAM, [], 0.0, 10, -1)
     acts = []
     for lay in range(layers):
         ops = []
         for k in range(width):
-            h = node(FORWARD, [h], f_sec[k], f_bytes[k], lay)
+            h = node(Phase.FORWARD, [h], f_sec[k], f_bytes[k], lay)
             ops.append(h)
         acts.append(ops)
-    loss = node(FORWARD, [h], 0.5, 1, -1)
-    g = node(BACKWARD, [loss], 0.5, 10, -1)
+    loss = node(Phase.FORWARD, [h], 0.5, 1, -1)
+    g = node(Phase.BACKWARD, [loss], 0.5, 10, -1)
     for lay in reversed(range(layers)):
         for k in reversed(range(width)):
-            g = node(BACKWARD, [g, acts[lay][k]], b_sec[k], 10, lay, collective=b_comm[k])
-    node(OPTIMIZER, [g, 0], 0.5, 10, -1)
+            g = node(Phase.BACKWARD, [g, acts[lay][k]], b_sec[k], 10, lay, collective=b_comm[k])
+    node(Phase.OPTIMIZER, [g, 0], 0.5, 10, -1)
     return make_problem(phases, edges, compute, memory, comm=comm, layer=layer,
                         outputs=(loss, len(phases) - 1))

@@ -1,12 +1,14 @@
 """Planning real train steps: layer ties, the 2-layer MLP on a 1x2 mesh, the ``plan`` command."""
 
 import dataclasses
+import inspect
 import json
 
 import numpy as np
 import pytest
 
 import solvers
+from hlo_tools.graph import Phase
 from kiwi_jax.cli import main
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
@@ -29,6 +31,7 @@ def gpt3():
 
 def test_layer_ties_map_every_layer_onto_the_first(gpt3):
     tie = solvers.layer_ties(gpt3)
+    assert np.array_equal(gpt3.ties, tie)             # filled when the problem was built
     for layer in (1, 2):
         nodes = np.flatnonzero(gpt3.layer == layer)
         tied = nodes[tie[nodes] != nodes]
@@ -41,7 +44,7 @@ def test_layer_ties_map_every_layer_onto_the_first(gpt3):
             assert gpt3.strategy_names[i] == gpt3.strategy_names[j]
     # the per-parameter updates of layers 1 and 2 (2/3 of the block parameters' updates; the
     # rest are layer 0's own and the embeddings' and final norm's) follow those of layer 0
-    updates = np.flatnonzero((gpt3.phase == 3) & (gpt3.num_strategies > 1))
+    updates = np.flatnonzero((gpt3.phase == Phase.OPTIMIZER) & (gpt3.num_strategies > 1))
     assert (tie[updates] != updates).mean() > 0.4
 
 
@@ -49,7 +52,7 @@ def test_reuse_is_a_restriction_of_the_full_program(gpt3):
     reference = solvers.reference_plan(gpt3)
     low, _ = solvers.min_feasible_budget(gpt3, "kiwi", reuse_layers=True)
     budget = (low + reference.peak_bytes) // 2
-    full = solvers.solve(gpt3, budget, solver="kiwi")
+    full = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=False)
     reused = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=True)
     assert reused.num_vars < full.num_vars
     assert full.objective <= reused.objective * (1 + 1e-6)
@@ -131,3 +134,40 @@ def test_plan_of_a_traced_step_round_trips_through_json():
 def test_plan_of_another_format_is_not_read():
     with pytest.raises(ValueError, match="plan format 1, this kiwi-jax reads format 2"):
         Plan.from_json(json.dumps({"solver": "kiwi", "keep": []}))
+
+
+def test_the_decorator_the_cli_and_solve_share_the_solver_defaults(monkeypatch):
+    from kiwi_jax import cli
+    from kiwi_jax.optimize import Options, optimize
+
+    defaults = solvers.SolverOptions()
+    names = [f.name for f in dataclasses.fields(defaults)]
+    solve = inspect.signature(solvers.solve).parameters
+    assert {name: solve[name].default for name in names} == dataclasses.asdict(defaults)
+    fields = {f.name: f.default for f in dataclasses.fields(Options)}
+    keywords = {name: p.default for name, p in inspect.signature(optimize).parameters.items()}
+    shared = ("solver", "backend", "time_limit", "mip_gap", "reuse_layers")
+    assert {name: fields[name] for name in shared} == {name: keywords[name] for name in shared} \
+        == {name: getattr(defaults, name) for name in shared}
+
+    parsed = {}
+
+    def parse(argv) -> dict:
+        """The arguments ``kiwi-jax`` parses from ``argv`` (the command does not run)."""
+        command = argv[0]
+        monkeypatch.setattr(cli, f"_cmd_{command}", lambda args: parsed.update(vars(args)) or {})
+        assert cli.main(argv) == 0
+        return dict(parsed)
+
+    plan, verify = parse(["plan"]), parse(["verify"])
+    for args in (plan, verify):
+        assert (args["solver"], args["backend"], args["time_limit"], args["gap"],
+                args["reuse_layers"]) == (defaults.solver, defaults.backend,
+                                          defaults.time_limit, defaults.mip_gap,
+                                          defaults.reuse_layers)
+    assert (plan["seed"], plan["threads"]) == (defaults.seed, defaults.threads)
+    pipeline = parse(["pipeline"])
+    assert (pipeline["backend"], pipeline["time_limit"]) == (defaults.backend, defaults.time_limit)
+    assert parse(["plan", "--no-reuse-layers"])["reuse_layers"] is False
+    assert parse(["verify", "--no-reuse-layers"])["reuse_layers"] is False
+

@@ -16,6 +16,7 @@ from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
 from kiwi_jax.sharding import Comm, comm_seconds, enumerate_specs, reshard_comms
 from kiwi_jax.strategies import node_strategies, reshape_groups
+from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
 MESH = MeshSpec((2, 4))
@@ -135,7 +136,7 @@ def test_problem_is_consistent(gpt_build):
         assert problem.resharding[e].shape == (k[src], k[dst])
         assert (problem.resharding[e] >= 0).all()
     assert all((m >= 0).all() for m in problem.memory)
-    assert all((problem.memory[i] > 0).all() for i in np.flatnonzero(problem.phase == 0))
+    assert all((problem.memory[i] > 0).all() for i in np.flatnonzero(problem.phase == Phase.PARAM))
     assert problem.ideal_compute_seconds() > 0
 
 
@@ -157,6 +158,7 @@ def test_problem_round_trips_through_npz(gpt_build, tmp_path):
     again = ShardingProblem.load(tmp_path / "p.npz")
     assert again.names == problem.names and again.summary() == problem.summary()
     assert all((a == b).all() for a, b in zip(again.resharding, problem.resharding))
+    assert np.array_equal(again.ties, problem.ties)
 
 
 def test_kiwi_config_gpt_builds_with_abstract_shapes():

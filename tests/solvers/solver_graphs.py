@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from solvers.phase import Phase
 from solvers.problem import ShardingProblem
-from solvers.synthetic import (BACKWARD, FORWARD, OPTIMIZER, PARAM,  # noqa: F401 (re-exported)
-                               layered_problem, make_problem)
+from solvers.synthetic import layered_problem, make_problem  # noqa: F401 (re-exported)
 
 
 def chain_problem() -> ShardingProblem:
@@ -17,7 +17,7 @@ def chain_problem() -> ShardingProblem:
     One strategy each. Kept, the peak is 312 bytes (stage 5: p, a, b, c, gc, gb); dropping a
     (compute 1 s) makes it 311 (stage 6: p, c, gb, a again, ga); dropping b (5 s) does not help.
     """
-    phases = [PARAM, FORWARD, FORWARD, FORWARD, BACKWARD, BACKWARD, BACKWARD, OPTIMIZER]
+    phases = [Phase.PARAM, *[Phase.FORWARD] * 3, *[Phase.BACKWARD] * 3, Phase.OPTIMIZER]
     edges = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (2, 5), (5, 6), (1, 6), (6, 7), (0, 7)]
     compute = [[0.0], [1.0], [5.0], [1.0], [1.0], [2.0], [2.0], [1.0]]
     memory = [[10], [100], [100], [1], [1], [100], [100], [10]]
@@ -38,25 +38,26 @@ def random_problem(seed: int, layers: int = 2, width: int = 2,
         edges.extend((j, i) for j in inputs)
         return i
 
-    x = node(PARAM, [])
-    params = [node(PARAM, []) for _ in range(layers)]
+    x = node(Phase.PARAM, [])
+    params = [node(Phase.PARAM, []) for _ in range(layers)]
     acts, h = [], x
     for layer in range(layers):
-        ops = [node(FORWARD, [h, params[layer]])]
+        ops = [node(Phase.FORWARD, [h, params[layer]])]
         for _ in range(width - 1):
-            ops.append(node(FORWARD, [ops[-1]] + ([h] if rng.random() < 0.3 else [])))
+            ops.append(node(Phase.FORWARD, [ops[-1]] + ([h] if rng.random() < 0.3 else [])))
         acts.append(ops)
         h = ops[-1]
-    loss = node(FORWARD, [h])
-    g = node(BACKWARD, [loss])
+    loss = node(Phase.FORWARD, [h])
+    g = node(Phase.BACKWARD, [loss])
     grads = []
     for layer in reversed(range(layers)):
         for op in reversed(acts[layer]):
-            g = node(BACKWARD, [g, op])
-        grads.append(node(BACKWARD, [g, acts[layer][0]]))
-    updates = [node(OPTIMIZER, [grad, params[layers - 1 - k]]) for k, grad in enumerate(grads)]
+            g = node(Phase.BACKWARD, [g, op])
+        grads.append(node(Phase.BACKWARD, [g, acts[layer][0]]))
+    updates = [node(Phase.OPTIMIZER, [grad, params[layers - 1 - k]])
+               for k, grad in enumerate(grads)]
     n = len(phases)
-    k = [1 if phases[i] == PARAM and i == x else int(rng.integers(1, max_strategies + 1))
+    k = [1 if phases[i] == Phase.PARAM and i == x else int(rng.integers(1, max_strategies + 1))
          for i in range(n)]
     compute = [rng.uniform(0.5, 3.0, k[i]) for i in range(n)]
     comm = [rng.uniform(0.0, 1.0, k[i]) * (k[i] > 1) for i in range(n)]

@@ -1,6 +1,8 @@
 """Lynx: the per-layer program (hand-worked layers), the overlap credit of the simulator, and
 Lynx-HEU / Lynx-OPT on a layered problem."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,6 @@ def test_the_simulator_credits_recomputation_beside_a_collective_that_does_not_w
     comm = [np.zeros(1) for _ in range(p.num_nodes)]
     comm[4] = np.array([0.5])                 # gc issues a collective; it reads c, not a
     comm[6] = np.array([0.5])                 # ga issues one too, but it reads a
-    import dataclasses
     p = dataclasses.replace(p, comm=tuple(comm))
     strategy = np.zeros(p.num_nodes, np.int64)
     base = solvers.simulate(p, strategy).step_seconds
@@ -142,3 +143,55 @@ def test_an_infeasible_budget_names_the_smallest_heu_finds():
         lynx.lynx_heu(p, 50, strategy)
     assert err.value.min_feasible_bytes > 50
     lynx.lynx_heu(p, err.value.min_feasible_bytes, strategy)
+
+
+def test_a_problem_built_without_ties_ties_nothing_and_heu_says_so():
+    p = layered_problem(layers=2)
+    assert solvers.reuse.has_ties(p.ties)                  # filled where the problem is made
+    untied = dataclasses.replace(p, ties=None)
+    assert np.array_equal(untied.ties, np.arange(p.num_nodes))
+    with pytest.raises(ValueError, match="with_layer_ties"):
+        lynx.lynx_heu(untied, None, np.zeros(p.num_nodes, np.int64))
+    assert np.array_equal(solvers.with_layer_ties(untied).ties, p.ties)
+
+
+def test_solve_dispatches_lynx_heu_on_the_reference_plans_sharding():
+    p = layered_problem(layers=2, window_comm=1.5)
+    budget = solvers.simulate(p, np.zeros(p.num_nodes, np.int64)).peak_bytes - 100
+    plan = solvers.solve(p, budget, solver="lynx-heu")
+    reference = solvers.reference_plan(p)
+    direct = lynx.lynx_heu(p, budget, reference.strategy)
+    assert plan.solver == "lynx-heu" and plan.peak_bytes <= budget
+    assert plan.recompute_at == direct.recompute_at and plan.hidden_under == direct.hidden_under
+    assert plan.objective == pytest.approx(direct.objective)
+    opt = solvers.solve(p, budget, solver="lynx-opt", time_limit=30)   # from HEU's plan
+    assert opt.solver == "lynx-opt" and opt.objective <= plan.objective + 1e-9
+
+
+def test_solve_passes_seed_and_threads_to_every_lynx_program(monkeypatch):
+    p = layered_problem(layers=2, window_comm=1.5)
+    budget = solvers.simulate(p, np.zeros(p.num_nodes, np.int64)).peak_bytes - 100
+    calls, solve = [], Model.solve
+
+    def spy(self, backend, **kwargs):
+        calls.append((backend, kwargs.get("seed", 0), kwargs.get("threads", 1)))
+        # run on one thread: HiGHS sizes its scheduler once per process, at the first solve
+        return solve(self, backend, **{**kwargs, "threads": 1})
+
+    monkeypatch.setattr(Model, "solve", spy)
+    solvers.solve(p, budget, solver="lynx-opt", seed=3, threads=2, time_limit=30)
+    assert len(calls) > 2 and set(calls) == {("highs", 3, 2)}   # reference, HEU's, OPT's
+
+
+def test_solve_refuses_lynx_options_it_cannot_honour():
+    p = layered_problem(layers=2)
+    budget = solvers.simulate(p, np.zeros(p.num_nodes, np.int64)).peak_bytes - 100
+    with pytest.raises(ValueError, match="lynx-heu solves one layer.*Use lynx-opt"):
+        solvers.solve(p, budget, solver="lynx-heu", reuse_layers=False)
+    heu = solvers.solve(p, budget, solver="lynx-heu")
+    with pytest.raises(ValueError, match="lynx-heu starts from no plan"):
+        solvers.solve(p, budget, solver="lynx-heu", warm_start=heu)
+    other = dataclasses.replace(heu, strategy=heu.strategy + 1)
+    with pytest.raises(ValueError, match="keeps the reference plan's sharding"):
+        solvers.solve(p, budget, solver="lynx-opt", warm_start=other)
+

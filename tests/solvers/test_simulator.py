@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from solvers import reduced_schedule, simulate
+from solvers.phase import Phase
 from solvers.simulator import live_bytes
 from solver_graphs import chain_problem, random_problem
 
@@ -68,7 +69,8 @@ def test_only_forward_values_are_recomputed():
 
 def test_resharding_is_paid_again_by_a_recomputation():
     from solver_graphs import make_problem
-    p = make_problem([0, 1, 2], [(0, 1), (1, 2)], [[1.0, 1.0], [2.0, 3.0], [1.0]],
+    p = make_problem([Phase.PARAM, Phase.FORWARD, Phase.BACKWARD], [(0, 1), (1, 2)],
+                     [[1.0, 1.0], [2.0, 3.0], [1.0]],
                      [[1, 1], [5, 5], [1]],
                      resharding=[[[0.0, 4.0], [4.0, 0.0]], [[0.0], [0.0]]])
     sim = simulate(p, [0, 1, 0], recompute_at={1: (2,)})

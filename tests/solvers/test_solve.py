@@ -1,8 +1,10 @@
 """Solvers on tiny graphs with hand-worked optima, and properties on random graphs."""
 
 import dataclasses
+import json
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -11,8 +13,8 @@ import solvers
 from solvers import InfeasibleBudgetError, Status, simulate, solve
 from solvers.backend import MilpResult, Model
 from solvers.linexpr import const
-from solver_graphs import (BACKWARD, FORWARD, OPTIMIZER, PARAM, chain_problem, make_problem,
-                           random_problem)
+from solvers.phase import Phase
+from solver_graphs import chain_problem, make_problem, random_problem
 
 
 def check_claims(problem, solution, budget=None):
@@ -28,8 +30,8 @@ def check_claims(problem, solution, budget=None):
 def test_resharding_pair_picks_the_cheapest_combination():
     # node costs a: [1, 2], b: [3, 1]; resharding 5 when the strategies differ.
     # (0,0)=4, (1,1)=3, (0,1)=7, (1,0)=10: the optimum is (1,1) at 3 s.
-    p = make_problem([1, 1], [(0, 1)], [[1.0, 2.0], [3.0, 1.0]], [[1, 1], [1, 1]],
-                     resharding=[[[0.0, 5.0], [5.0, 0.0]]])
+    p = make_problem([Phase.FORWARD] * 2, [(0, 1)], [[1.0, 2.0], [3.0, 1.0]],
+                     [[1, 1], [1, 1]], resharding=[[[0.0, 5.0], [5.0, 0.0]]])
     sol = solve(p, None, solver="alpa")
     assert sol.status == Status.OPTIMAL
     assert sol.strategy.tolist() == [1, 1]
@@ -39,7 +41,7 @@ def test_resharding_pair_picks_the_cheapest_combination():
 def test_diamond_pays_resharding_on_both_branches():
     # a -> b, a -> c, (b, c) -> d; a has 2 strategies, b and c follow cheaply only from a's
     # strategy 0 (resharding 2 each from strategy 1), a's strategy 1 saves 3 on a itself.
-    p = make_problem([1, 1, 1, 1], [(0, 1), (0, 2), (1, 3), (2, 3)],
+    p = make_problem([Phase.FORWARD] * 4, [(0, 1), (0, 2), (1, 3), (2, 3)],
                      [[4.0, 1.0], [1.0], [1.0], [1.0]], [[1, 1], [1], [1], [1]],
                      resharding=[[[0.0], [2.0]], [[0.0], [2.0]], [[0.0]], [[0.0]]])
     sol = solve(p, None, solver="alpa")
@@ -49,7 +51,7 @@ def test_diamond_pays_resharding_on_both_branches():
 
 def test_memory_budget_moves_to_the_smaller_strategy():
     # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
-    p = make_problem([1], [], [[1.0, 3.0]], [[100, 10]])
+    p = make_problem([Phase.FORWARD], [], [[1.0, 3.0]], [[100, 10]])
     assert solve(p, None, solver="alpa").strategy.tolist() == [0]
     sol = solve(p, 50, solver="alpa")
     assert sol.strategy.tolist() == [1]
@@ -137,7 +139,7 @@ def _with_scopes(p):
     import dataclasses
     names = tuple(f"layer_0/attention_core/op{i}" if i % 3 == 0 else f"layer_0/mlp/op{i}"
                   for i in range(p.num_nodes))
-    return dataclasses.replace(p, op_names=names)
+    return solvers.with_layer_ties(dataclasses.replace(p, op_names=names))
 
 
 def test_megatron_needs_name_scopes():
@@ -147,10 +149,22 @@ def test_megatron_needs_name_scopes():
 
 def test_unknown_solver_and_backend_are_named():
     p = chain_problem()
-    with pytest.raises(ValueError, match="unknown solver 'kiwii'.*kiwi-full"):
+    with pytest.raises(ValueError, match="unknown solver 'kiwii'.*kiwi-full.*lynx-heu, lynx-opt"):
         solve(p, None, solver="kiwii")
     with pytest.raises(ValueError, match="unknown backend 'glpk'"):
         solve(p, None, backend="glpk")
+
+
+@pytest.mark.parametrize("status, gap, mip_gap, expected", [
+    (Status.OPTIMAL, 0.0, 1e-3, Status.OPTIMAL),
+    (Status.OPTIMAL, 1.0005e-3, 1e-3, Status.OPTIMAL),        # within the 0.1% tolerance
+    (Status.OPTIMAL, 2e-3, 1e-3, Status.FEASIBLE),
+    (Status.OPTIMAL, 1e-12, 0.0, Status.OPTIMAL),             # gap 0 asked: 1e-9 is the floor
+    (Status.OPTIMAL, 1e-6, 0.0, Status.FEASIBLE),
+    (Status.TIMEOUT_WITH_INCUMBENT, 0.5, 1e-3, Status.TIMEOUT_WITH_INCUMBENT),
+])
+def test_an_optimal_status_above_the_gap_asked_for_is_feasible(status, gap, mip_gap, expected):
+    assert solvers.solution.status_within_gap(status, gap, mip_gap) == expected
 
 
 def test_time_limit_statuses(monkeypatch):
@@ -237,9 +251,24 @@ def test_gurobi_without_licence_or_package_is_a_clear_error():
         pytest.skip("gurobipy is installed")
 
 
-def test_solvers_never_import_jax():
-    code = "import solvers, sys; sys.exit('jax' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+def test_no_module_of_solvers_imports_jax():
+    # every module of the package, not only what ``import solvers`` loads (lynx, pipeline, the
+    # CP-SAT worker ...), in a fresh interpreter: jax imported by other tests would hide it here
+    code = textwrap.dedent("""
+        import importlib, json, pkgutil, sys
+        import solvers
+        names = [m.name for m in pkgutil.walk_packages(solvers.__path__, "solvers.")]
+        for name in names:
+            importlib.import_module(name)
+        stack = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax"))
+        print(json.dumps({"modules": names, "jax": stack}))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert {"solvers.lynx", "solvers.pipeline", "solvers.cpsat_worker", "solvers.dispatch",
+            "solvers.options", "solvers.phase"} <= set(found["modules"])
+    assert found["jax"] == []
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -261,7 +290,7 @@ def _brute_force(p, budget, recompute: bool) -> float:
     """The best simulated step time over every strategy assignment and every keep set that
     KIWI's eq. 9 allows (inf if none fits)."""
     import itertools
-    candidates = np.flatnonzero((p.phase == 1) & p.z) if recompute else np.zeros(0, int)
+    candidates = np.flatnonzero((p.phase == Phase.FORWARD) & p.z) if recompute else np.zeros(0, int)
     operands = {}
     for src, dst, _slot in p.edges:
         operands.setdefault(int(dst), set()).add(int(src))
@@ -300,7 +329,8 @@ def test_optimum_matches_exhaustive_search(seed):
 def test_a_value_read_backward_before_its_last_forward_reader_counts_once():
     # p -> a -> f (forward, after the first backward node g reads a) -> ... : a is alive from 1
     # to 4 in one piece; the program must not count it twice while both parts overlap.
-    phases = [PARAM, FORWARD, BACKWARD, FORWARD, BACKWARD, OPTIMIZER]
+    phases = [Phase.PARAM, Phase.FORWARD, Phase.BACKWARD, Phase.FORWARD, Phase.BACKWARD,
+              Phase.OPTIMIZER]
     edges = [(0, 1), (1, 2), (1, 3), (3, 4), (2, 4), (1, 4), (4, 5), (0, 5)]
     memory = [[10], [100], [1], [1], [1], [10]]
     p = make_problem(phases, edges, [[1.0]] * 6, memory, outputs=(5,))
