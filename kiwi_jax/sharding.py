@@ -103,11 +103,15 @@ def collective_seconds(kind: str, group_size: int, nbytes: int, link: Link) -> f
     ``link``, ``nbytes`` per device as :class:`Comm` counts them (Alpa's formulas; a
     ``collective-permute`` sends its buffer once: a + B / bw)."""
     n = group_size
-    if (n <= 1 and kind != "collective-permute") or nbytes == 0:
+    if kind == "collective-permute":
+        volume = 1.0
+    elif n <= 1:
         return 0.0
-    volume = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
-              "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
-              "collective-permute": 1.0}[kind]
+    else:
+        volume = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+                  "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n}[kind]
+    if nbytes == 0:
+        return 0.0
     return link.latency_s + volume * nbytes / link.bandwidth
 
 

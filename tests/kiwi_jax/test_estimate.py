@@ -78,3 +78,16 @@ def test_to_dict_and_frozen(data_parallel, mesh24):
     with pytest.raises(AttributeError):
         cost.flops = 0.0  # type: ignore[misc]
     assert isinstance(cost, CompiledCost)
+
+
+def test_collective_permute_is_priced_on_the_whole_mesh_link(mesh24):
+    # Rolling rows split over "model" sends one boundary row to the neighbour: a permute has
+    # pairs, not groups along an axis, so it is priced once on the slower (inter-node) link.
+    split = NamedSharding(mesh24, P("model"))
+    compiled = jax.jit(lambda x: jnp.roll(x, 1, axis=0), in_shardings=split,
+                       out_shardings=split).lower(jnp.ones((16, 8))).compile()
+    cost = compiled_cost(compiled, mesh24, "v100-2node")
+    row = 8 * F32
+    assert cost.collectives == {"collective-permute": {
+        "count": 1, "bytes": row, "seconds": pytest.approx(20e-6 + row / 4e9, rel=1e-12)}}
+    assert cost.flops == 0.0                  # XLA reports no "flops" key: no arithmetic

@@ -14,7 +14,8 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
-from kiwi_jax.sharding import Comm, comm_seconds, enumerate_specs, reshard_comms
+from kiwi_jax.sharding import (Comm, collective_seconds, comm_seconds, enumerate_specs,
+                               reshard_comms)
 from kiwi_jax.strategies import node_strategies, reshape_groups
 from solvers.problem import ShardingProblem
 
@@ -47,6 +48,11 @@ def test_alpha_beta_costs():
     assert reduce == pytest.approx(link.latency_s + 1.5 * 4096 / link.bandwidth)
     slow = CLUSTER.with_slowdown(10)
     assert comm_seconds(Comm("all-reduce", (1,), 4096), MESH, slow) == pytest.approx(10 * reduce)
+    # a collective-permute sends its buffer once, pairs have no group size
+    assert collective_seconds("collective-permute", 0, 4096, link) == pytest.approx(
+        link.latency_s + 4096 / link.bandwidth)
+    assert collective_seconds("all-reduce", 4, 4096, link) == reduce
+    assert collective_seconds("all-gather", 1, 4096, link) == 0.0
     two_node = Cluster.parse("v100-2node")
     assert two_node.axis_link(MESH, (0,)) == two_node.inter_node
     assert two_node.axis_link(MESH, (1,)) == two_node.intra_node
