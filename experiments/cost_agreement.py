@@ -17,9 +17,9 @@ Each row also carries the terms that separate the two, measured on that plan:
 - ``reshard_merged_seconds``: the simulator charges resharding per edge; XLA reshards a value
   once per target layout, whatever the number of readers (``kiwi_jax.plan.attributed_comms``
   counts it so): the difference.
-- ``all_reduce_latency_excess_seconds``: the model pays one latency per all-reduce; XLA's
-  combiner merges independent all-reduces into one: predicted minus compiled all-reduce
-  latencies.
+- ``all_reduce_latency_excess_seconds``: the all-reduce latencies the model charges (a share
+  of one for the all-reduces it expects XLA's combiner to merge, one for each other) minus
+  those of the compiled all-reduces.
 - compute: the model's roofline per operator vs the roofline per fused kernel, split into the
   compute-bound part (matrix products: model dots vs kernels whose FLOPs bound them) and the
   rest (memory-bound: where fusion saves the model's per-operator reads and writes).
@@ -53,6 +53,7 @@ from kiwi_jax.compile import Prepared, compile_plan  # noqa: E402
 from kiwi_jax.estimate import compiled_cost  # noqa: E402
 from kiwi_jax.plan import attributed_comms, solve_plan  # noqa: E402
 from kiwi_jax.sharding import comm_seconds  # noqa: E402
+from kiwi_jax.strategies import latency_shares, operator_comm_seconds  # noqa: E402
 from kiwi_jax.verify import carried_comms, predicted_compute_seconds  # noqa: E402
 
 METHODS = ("alpa", "alpa+dots", "alpa+megatron", "kiwi")
@@ -83,11 +84,16 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     seconds = lambda comms: sum(comm_seconds(c, mesh, cluster) for c in comms)  # noqa: E731
     predicted = plan.predicted_step_seconds
     compute = predicted_compute_seconds(prepared)
-    attributed = [c for _, c in attributed_comms(build, plan.strategy, plan.keep)]
+    # the collectives the plan implies, each value's resharding to one layout once, priced as
+    # the model prices them (combined all-reduces pay their share of one latency)
+    shares = latency_shares(compiler.traced.graph)
+    attributed = attributed_comms(build, plan.strategy, plan.keep)
+    merged = sum(operator_comm_seconds(c, mesh, cluster, shares[node]) for node, c in attributed)
     latency = lambda axes: cluster.axis_link(mesh, axes).latency_s  # noqa: E731
     found = collectives(applied.compiled.as_text(),
                         np.arange(mesh.num_devices).reshape(mesh.shape))
-    excess = (sum(latency(c.axes) for c in attributed if c.kind == "all-reduce")
+    excess = (sum(latency(c.axes) * shares[node] for node, c in attributed
+                  if c.kind == "all-reduce")
               - sum(latency(c.axes or (0, 1)) for c in found if c.kind == "all-reduce"))
     # compute-bound parts: the model's dots (every execution) and the kernels FLOPs bound
     problem = build.problem
@@ -109,10 +115,10 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
         "compute_lower_seconds": cost.compute_lower_seconds,
         "compute_upper_seconds": cost.compute_upper_seconds,
         "carried_seconds": seconds(carried_comms(prepared)),
-        "reshard_merged_seconds": (predicted - compute) - seconds(attributed),
+        "reshard_merged_seconds": (predicted - compute) - merged,
         "all_reduce_latency_excess_seconds": excess,
-        "predicted_collectives": {k: sum(c.kind == k for c in attributed)
-                                  for k in sorted({c.kind for c in attributed})},
+        "predicted_collectives": {k: sum(c.kind == k for _, c in attributed)
+                                  for k in sorted({c.kind for _, c in attributed})},
         "compiled_collectives": {k: v["count"] for k, v in cost.collectives.items()},
         "flops": cost.flops, "kernel_flops": cost.kernel_flops,
         "bytes_accessed": cost.bytes_accessed, "kernel_bytes": cost.kernel_bytes,
