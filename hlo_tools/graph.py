@@ -16,11 +16,13 @@ import collections
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 from hlo_tools.hlo_text import HloModule, HloParseError, Instruction, Shape, parse_module
 from solvers.phase import Phase
 
-__all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text"]
+__all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text",
+           "op_flops", "ZERO_FLOP_OPCODES"]
 
 UNSUPPORTED_CONTROL_FLOW = frozenset({"while", "conditional", "async-start", "send", "recv"})
 ZERO_FLOP_OPCODES = frozenset({
@@ -98,19 +100,36 @@ class OpGraph:
         return {phase.name.lower(): counts.get(phase.name.lower(), 0) for phase in Phase}
 
     def flops(self, node_id: int) -> float:
-        """Floating point operations of a node (dot: 2 x output x contracted size)."""
+        """Floating point operations of a node (:func:`op_flops`)."""
         node = self.nodes[node_id]
-        if node.opcode == "dot":
-            lhs = self.nodes[node.operands[0]].shape
-            contracted = math.prod(lhs.dims[d] for d in node.int_list("lhs_contracting_dims"))
-            return 2.0 * node.shape.size * contracted
-        if node.opcode in ZERO_FLOP_OPCODES:
-            return 0.0
-        if node.opcode in ("reduce", "reduce-window"):
-            return float(self.nodes[node.operands[0]].shape.size)
-        if node.opcode == "scatter":
-            return float(self.nodes[node.operands[-1]].shape.size)
-        return float(node.shape.size)
+        return op_flops(node.opcode, node.shape, [self.nodes[o].shape for o in node.operands],
+                        node.int_list("lhs_contracting_dims"))
+
+
+def op_flops(opcode: str, shape: Shape, operand_shapes: Sequence[Shape],
+             lhs_contracting_dims: Sequence[int] = ()) -> float:
+    """Floating point operations of one HLO operation, as the cost model counts them.
+
+    ``dot``: 2 x output elements x contracted size; ``reduce`` and ``reduce-window``: one per
+    element of the first operand; ``scatter``: one per update element; data movement
+    (:data:`ZERO_FLOP_OPCODES`): none; every other operation: one per output element.
+
+    Args:
+      opcode: the HLO opcode.
+      shape: the result shape.
+      operand_shapes: the operands' shapes, in operand order.
+      lhs_contracting_dims: a ``dot``'s ``lhs_contracting_dims``.
+    """
+    if opcode == "dot":
+        lhs = operand_shapes[0]
+        return 2.0 * shape.size * math.prod(lhs.dims[d] for d in lhs_contracting_dims)
+    if opcode in ZERO_FLOP_OPCODES:
+        return 0.0
+    if opcode in ("reduce", "reduce-window"):
+        return float(operand_shapes[0].size)
+    if opcode == "scatter":
+        return float(operand_shapes[-1].size)
+    return float(shape.size)
 
 
 class _Builder:

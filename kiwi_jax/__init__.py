@@ -1,12 +1,14 @@
 """kiwi-jax: joint sharding and rematerialisation planning for JAX train steps.
 
 The user API: the :func:`optimize` decorator, the :class:`Plan` it runs and the
-:class:`VerifyReport` that checks it against the compiled step; :func:`problem_for_step` and
+:class:`VerifyReport` that checks it against the compiled step (with :func:`compiled_cost`, the
+compiled step priced like the plan); :func:`problem_for_step` and
 :func:`build_problem` for the costed problem itself; the errors a plan can raise.
 """
 
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
+from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep, Options, optimize
 from kiwi_jax.plan import Plan
@@ -18,6 +20,7 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
 
 __all__ = [
     "optimize", "OptimizedStep", "Options", "Plan", "VerifyReport", "Prepared", "CompiledPlan",
+    "CompiledCost", "compiled_cost",
     "Cluster", "MeshSpec", "parse_bytes", "problem_for_step", "build_problem", "ProblemBuild",
     "SolverOptions", "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
     "SolverTimeoutError", "SolverUnavailableError",

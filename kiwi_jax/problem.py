@@ -2,7 +2,8 @@
 
 References:
   KIWI (Liu et al.), eq. 2 (per-strategy costs, resharding on every edge); Alpa (Zheng et al.),
-  sec. 4.1 (resharding costs between producer and consumer specs).
+  sec. 4.1 (resharding costs between producer and consumer specs); XLA ``AllReduceCombiner``
+  (independent all-reduces share one latency, ``kiwi_jax.strategies.latency_shares``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.merge import merge_followers
 from kiwi_jax.sharding import Spec, comm_seconds, reshard_comms
-from kiwi_jax.strategies import Strategy, node_strategies
+from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.problem import ShardingProblem
 from solvers.reuse import with_layer_ties
 
@@ -99,8 +100,10 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
     if memory_model == "auto":
         memory_model = "fused" if np.prod(mesh.shape) == 1 else "operator"
     strategies, unsupported = [], {}
+    shares = latency_shares(graph)
     for node in graph.nodes:
-        options, supported = node_strategies(graph, node, mesh, cluster)
+        options, supported = node_strategies(graph, node, mesh, cluster,
+                                             float(shares[node.id]))
         if not supported:
             unsupported[node.opcode] = unsupported.get(node.opcode, 0) + 1
         strategies.append(options)

@@ -18,10 +18,11 @@ import functools
 import itertools
 import math
 
-from kiwi_jax.cluster import Cluster, MeshSpec
+from kiwi_jax.cluster import Cluster, Link, MeshSpec
 
 __all__ = ["Spec", "Comm", "enumerate_specs", "replicated", "spec_str", "shard_count",
-           "local_bytes", "comm_seconds", "reshard_comms", "to_partition_spec"]
+           "local_bytes", "collective_seconds", "comm_seconds", "reshard_comms",
+           "to_partition_spec"]
 
 Spec = tuple[tuple[int, ...], ...]
 
@@ -97,15 +98,30 @@ def enumerate_specs(dims: tuple[int, ...], mesh: MeshSpec,
     return tuple(specs)
 
 
+def collective_seconds(kind: str, group_size: int, nbytes: int, link: Link) -> float:
+    """Alpha-beta time of one collective of ``kind`` over groups of ``group_size`` devices on
+    ``link``, ``nbytes`` per device as :class:`Comm` counts them (Alpa's formulas; a
+    ``collective-permute`` sends its buffer once: a + B / bw)."""
+    n = group_size
+    if kind == "collective-permute":
+        volume = 1.0
+    elif n <= 1:
+        return 0.0
+    else:
+        volume = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+                  "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n}[kind]
+    if nbytes == 0:
+        return 0.0
+    return link.latency_s + volume * nbytes / link.bandwidth
+
+
 def comm_seconds(comm: Comm, mesh: MeshSpec, cluster: Cluster) -> float:
-    """Alpha-beta time of one collective (Alpa's formulas)."""
+    """Alpha-beta time of one collective (Alpa's formulas; :func:`collective_seconds`) on the
+    link of the mesh axes it spans."""
     n = mesh.axis_size(comm.axes)
     if n == 1 or comm.bytes == 0:
         return 0.0
-    link = cluster.axis_link(mesh, comm.axes)
-    volume = {"all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
-              "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n}[comm.kind]
-    return link.latency_s + volume * comm.bytes / link.bandwidth
+    return collective_seconds(comm.kind, n, comm.bytes, cluster.axis_link(mesh, comm.axes))
 
 
 def reshard_comms(nbytes: int, src: Spec, dst: Spec, mesh: MeshSpec) -> tuple[Comm, ...]:

@@ -5,11 +5,17 @@ are per device: compute seconds (roofline of FLOPs and bytes moved), communicati
 collectives the operator itself performs (the all-reduce of a dot whose contracting dimension is
 split, the all-reduce of a reduction over a split dimension) and the bytes of its output shard.
 
+XLA's all-reduce combiner merges all-reduces that do not depend on one another into one
+collective: the gradients' all-reduces (and the loss's) leave a data-parallel step as a single
+tuple all-reduce. The operators whose all-reduces no other possible all-reduce depends on
+(:func:`combined_all_reduces`: nothing downstream of them can all-reduce) pay that collective's
+latency in shares, one each, instead of a latency each.
+
 References:
   Alpa (Zheng et al., OSDI 2022), sec. 4.1 and Table 3 (dot strategies on a 2-D mesh: SS = SR x RS,
   SR = SS x SR with an all-reduce, RS = RS x SS with an all-reduce, batch splits); XLA's
   auto-sharding strategy generation (followers of elementwise operands); KIWI eq. 2 (c_i, d_i,
-  mem_i per strategy).
+  mem_i per strategy); XLA's ``AllReduceCombiner`` (independent all-reduces become one).
 """
 
 from __future__ import annotations
@@ -18,16 +24,22 @@ import dataclasses
 import itertools
 import re
 
+import numpy as np
+
 from hlo_tools.graph import Node, OpGraph
 from hlo_tools.liveness import ELEMENTWISE
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import (Comm, Spec, comm_seconds, enumerate_specs, local_bytes,
                                replicated, shard_count, spec_from_assignment, spec_str)
 
-__all__ = ["Strategy", "node_strategies", "ELEMENTWISE", "FREE_OPCODES"]
+__all__ = ["Strategy", "node_strategies", "combined_all_reduces", "latency_shares",
+           "operator_comm_seconds", "ELEMENTWISE", "FREE_OPCODES", "ALL_REDUCING_OPCODES"]
 
 FREE_OPCODES = frozenset({"parameter", "constant", "iota", "broadcast", "reshape", "bitcast"})
 """Operators that XLA turns into bitcasts or fuses into their users: no compute time."""
+ALL_REDUCING_OPCODES = frozenset({"dot", "reduce", "scatter"})
+"""Operators with strategies that all-reduce partial results (split contracting, reduced or
+scatter dimensions)."""
 _SLICE = re.compile(r"\[(-?\d+):(-?\d+)(?::(-?\d+))?\]")
 
 
@@ -54,8 +66,10 @@ class Strategy:
 class _Ctx:
     """What every strategy builder needs: the graph, the node, the mesh and the cluster."""
 
-    def __init__(self, graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster):
+    def __init__(self, graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
+                 latency_share: float = 1.0):
         self.graph, self.node, self.mesh, self.cluster = graph, node, mesh, cluster
+        self.latency_share = latency_share
         self.flops = graph.flops(node.id)
         self.operand_shapes = [graph.nodes[o].shape for o in node.operands]
 
@@ -71,11 +85,14 @@ class _Ctx:
                                  for s, spec in zip(self.operand_shapes, operands))
             device = self.cluster.device
             compute = max(self.flops / split / device.flops, moved / device.memory_bandwidth)
-        comm = sum(comm_seconds(c, mesh, self.cluster) for c in comms)
+        comm = sum(self.comm_seconds(c) for c in comms)
         name = f"{' , '.join(spec_str(s) for s in operands)} -> {spec_str(out)}"
         if comms:
             name += " [" + " ".join(f"{c.kind}@{''.join(map(str, c.axes))}" for c in comms) + "]"
         return Strategy(name, out, tuple(operands), compute, comm, memory, tuple(comms))
+
+    def comm_seconds(self, comm: Comm) -> float:
+        return operator_comm_seconds(comm, self.mesh, self.cluster, self.latency_share)
 
     def specs(self, dims=None, allowed=None) -> tuple[Spec, ...]:
         dims = self.node.shape.dims if dims is None else dims
@@ -325,15 +342,54 @@ _BUILDERS = {
 }
 
 
+def operator_comm_seconds(comm: Comm, mesh: MeshSpec, cluster: Cluster,
+                          latency_share: float = 1.0) -> float:
+    """Alpha-beta seconds of one of an operator's own collectives: an all-reduce that XLA
+    combines with others pays ``latency_share`` of the combined collective's latency
+    (:func:`latency_shares`)."""
+    seconds = comm_seconds(comm, mesh, cluster)
+    if comm.kind == "all-reduce" and seconds > 0 and latency_share != 1.0:
+        seconds -= (1.0 - latency_share) * cluster.axis_link(mesh, comm.axes).latency_s
+    return seconds
+
+
+def latency_shares(graph: OpGraph) -> np.ndarray:
+    """Per node, the part of its all-reduce's latency it pays: 1 / k for each of the k
+    operators of :func:`combined_all_reduces`, 1 for the others."""
+    combined = combined_all_reduces(graph)
+    return np.where(combined, 1.0 / max(int(combined.sum()), 1), 1.0)
+
+
+def combined_all_reduces(graph: OpGraph) -> np.ndarray:
+    """bool per node: an operator that may all-reduce (:data:`ALL_REDUCING_OPCODES`) from which
+    no other such operator is reachable. No all-reduce of one of them depends on another's, so
+    XLA's combiner can merge all of them into one collective (per set of replica groups, up to
+    its size threshold): in a train step, the weight and bias gradients and the loss.
+
+    References:
+      XLA ``AllReduceCombiner``: combines all-reduces with no data dependence between them.
+    """
+    n = len(graph)
+    reducing = np.array([node.opcode in ALL_REDUCING_OPCODES for node in graph.nodes], bool)
+    reaches = np.zeros(n, bool)                      # some reader, transitively, may all-reduce
+    for i in reversed(range(n)):                     # topological order: readers come later
+        reaches[i] = any(reducing[u] or reaches[u] for u in graph.users[i])
+    return reducing & ~reaches
+
+
 def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec,
-                    cluster: Cluster) -> tuple[list[Strategy], bool]:
+                    cluster: Cluster, latency_share: float = 1.0) -> tuple[list[Strategy], bool]:
     """Strategies of one node.
+
+    Args:
+      latency_share: the part of an all-reduce's latency the node pays
+        (:func:`latency_shares`).
 
     Returns:
       (strategies, supported): unsupported opcodes get the single replicated strategy and
       ``supported=False`` so the caller can warn once, naming them.
     """
-    ctx = _Ctx(graph, node, mesh, cluster)
+    ctx = _Ctx(graph, node, mesh, cluster, latency_share)
     builder = _BUILDERS.get(node.opcode)
     if builder is not None:
         strategies = builder(ctx)

@@ -4,8 +4,10 @@ The compiler is the judge: the applied step is compiled (with the options that k
 recomputation) and its per-device memory (argument + output + temp - alias, from XLA's buffer
 assignment) and the collectives of its partitioned HLO are compared with the plan's prediction.
 Every compiled collective carries the ``op_name`` of the jaxpr equation it was partitioned from,
-so disagreements are reported per operator. Given concrete arguments, the applied step is also
-run against the plain jitted step and the losses and parameters compared.
+so disagreements are reported per operator. The predicted step time is set beside the compiled
+step's estimate (:mod:`kiwi_jax.estimate`: XLA's kernels and collectives priced with the same
+cluster figures). Given concrete arguments, the applied step is also run against the plain
+jitted step and the losses and parameters compared.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import numpy as np
 from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at_peak,
                                 placements)
 from hlo_tools.graph import Phase
-from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.compile import Prepared, compiler_options
+from kiwi_jax.estimate import CompiledCost, compiled_cost
+from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 from solvers.simulator import live_bytes, simulate
@@ -66,6 +69,14 @@ class VerifyReport:
     """max over state leaves of ||optimized - plain|| / ||plain|| after ``steps`` steps."""
     max_loss_rel_diff: float | None = None
     """The same over the step's other outputs (loss, metrics), every step."""
+    predicted_step_seconds: float | None = None
+    """The simulator's step time of the plan (``Plan.predicted_step_seconds``)."""
+    predicted_compute_seconds: float | None = None
+    """Its compute part: the operators' compute over every execution, recomputation included
+    (less what a Lynx plan hides under communication)."""
+    compiled_cost: CompiledCost | None = None
+    """The compiled step priced with the plan's cluster (:func:`kiwi_jax.estimate.compiled_cost`);
+    None: not estimated."""
 
     @property
     def compiled_peak_bytes(self) -> int:
@@ -97,6 +108,20 @@ class VerifyReport:
             self.predicted_collective_bytes, 1)
 
     @property
+    def estimated_step_seconds(self) -> float | None:
+        """The compiled step's estimated time (compute + collectives, no overlap)."""
+        return None if self.compiled_cost is None else self.compiled_cost.step_seconds
+
+    @property
+    def step_error(self) -> float | None:
+        """(predicted - estimated) / estimated step time: how far the model is from what XLA
+        compiled, priced the same way."""
+        if self.compiled_cost is None or self.predicted_step_seconds is None:
+            return None
+        return (self.predicted_step_seconds - self.estimated_step_seconds) / max(
+            self.estimated_step_seconds, 1e-30)
+
+    @property
     def within_tolerance(self) -> bool:
         return abs(self.memory_error) <= TOLERANCE and abs(self.collective_error) <= TOLERANCE
 
@@ -120,6 +145,11 @@ class VerifyReport:
             "compiled_live_bytes": self.compiled_live_bytes,
             "steps": self.steps, "max_param_rel_diff": self.max_param_rel_diff,
             "max_loss_rel_diff": self.max_loss_rel_diff,
+            "predicted_step_seconds": self.predicted_step_seconds,
+            "predicted_compute_seconds": self.predicted_compute_seconds,
+            "estimated_step_seconds": self.estimated_step_seconds,
+            "step_error": self.step_error,
+            "compiled_cost": None if self.compiled_cost is None else self.compiled_cost.to_dict(),
         }
 
     def table(self) -> str:
@@ -142,6 +172,7 @@ class VerifyReport:
                              f"(count {p['count']} vs {c['count']})")
         lines.append(f"{'collective bytes, total':28s} {self.predicted_collective_bytes:>12,} B "
                      f"{self.compiled_collective_bytes:>12,} B   ({self.collective_error:+.1%})")
+        lines += self._time_rows()
         if self.disagreements:
             lines.append("operators whose collectives disagree (predicted vs compiled bytes):")
             lines += [f"  {d['operator'][:60]:60s} {d['predicted_bytes']:>12,} "
@@ -156,6 +187,37 @@ class VerifyReport:
                          f"difference {self.max_param_rel_diff:.2e} (state), "
                          f"{self.max_loss_rel_diff:.2e} (loss and metrics)")
         return "\n".join(lines)
+
+
+    def _time_rows(self) -> list[str]:
+        """Predicted vs the compiled step's estimate: step, compute, collectives."""
+        cost, predicted = self.compiled_cost, self.predicted_step_seconds
+        if cost is None or predicted is None:
+            return []
+        ms = lambda s: f"{s * 1e3:11.4f} ms"  # noqa: E731
+        rows = [f"{'step time (compiled: est.)':28s} {ms(predicted)} {ms(cost.step_seconds)}   "
+                f"({self.step_error:+.1%}; the compiled step priced like the plan)"]
+        if self.predicted_compute_seconds is not None:
+            rows += [f"{'  compute':28s} {ms(self.predicted_compute_seconds)} "
+                     f"{ms(cost.compute_seconds)}   ({cost.kernels} kernels; whole-program "
+                     f"roofline {cost.compute_lower_seconds * 1e3:.4f}-"
+                     f"{cost.compute_upper_seconds * 1e3:.4f} ms)",
+                     f"{'  communication':28s} "
+                     f"{ms(predicted - self.predicted_compute_seconds)} "
+                     f"{ms(cost.collective_seconds)}"]
+        return rows
+
+
+def predicted_compute_seconds(prepared: Prepared) -> float:
+    """The compute part of the plan's simulated step: every operator's compute times its
+    executions (recomputations included), less the recomputation a Lynx plan hides under
+    communication; the rest of the step is communication."""
+    plan, problem = prepared.plan, prepared.build.problem
+    compute, _, _ = problem.costs_of(plan.strategy)
+    executions = np.ones(problem.num_nodes)
+    for node, stages in plan.recompute_at.items():
+        executions[node] += len(stages)
+    return float(compute @ executions) - plan.simulation.overlapped_recompute_seconds
 
 
 def carried_comms(prepared: Prepared) -> list:
@@ -296,6 +358,9 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         compiled_collectives=by_kind(found),
         disagreements=_operator_disagreements(prepared, attributed, carried,
                                               collectives(separate.as_text(), ids)),
+        predicted_step_seconds=prepared.plan.predicted_step_seconds,
+        predicted_compute_seconds=predicted_compute_seconds(prepared),
+        compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
         **fields)
     if explain_memory or (explain_memory is None and abs(report.memory_error) > TOLERANCE):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from experiments import (bandwidth_sweep, lynx_pipeline, mesh_sweep, optimality,
-                         remat_baselines, report, solver_scaling)
+from experiments import (bandwidth_sweep, cost_agreement, lynx_pipeline, mesh_sweep,
+                         optimality, remat_baselines, report, solver_scaling)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -151,3 +151,26 @@ def test_remat_baselines_quick(results, capsys):
         rows["dots_saveable"]["compiled_peak_bytes"] < plain["compiled_peak_bytes"]
     kiwi = rows["kiwi@1"]
     assert kiwi["budget_bytes"] == budget and kiwi["operators"] > 0
+
+
+def test_cost_agreement_quick(results, capsys):
+    result = _run(cost_agreement, results, capsys, "cost_agreement")
+    rows = result["rows"]
+    assert {(r["method"], r["budget_fraction"]) for r in rows} == \
+        {(m, b) for m in ("alpa", "kiwi") for b in (1.0, 0.7)}
+    plans = {r["fingerprint"]: r for r in rows if r["feasible"]}
+    assert len(plans) >= 2
+    for row in plans.values():
+        assert row["predicted_step_seconds"] > 0 and row["estimated_step_seconds"] > 0
+        assert row["step_error"] == pytest.approx(
+            row["predicted_step_seconds"] / row["estimated_step_seconds"] - 1)
+        assert row["estimated_step_seconds"] == pytest.approx(
+            row["estimated_compute_seconds"] + row["estimated_collective_seconds"])
+        assert row["compute_lower_seconds"] <= row["compute_upper_seconds"]
+        assert row["kernel_flops"] == pytest.approx(row["flops"], rel=0.02)
+        assert row["compiled_peak_bytes"] > 0
+    stats = result["agreement"]
+    errors = sorted(abs(r["step_error"]) for r in plans.values())
+    assert stats["plans"] == len(plans) and stats["max_abs_step_error"] == errors[-1]
+    assert errors[0] <= stats["median_abs_step_error"] <= errors[-1]
+    assert -1.0 <= stats["kendall_tau"] <= 1.0

@@ -17,6 +17,7 @@ from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
 from hlo_tools.compiled import LiveBuffer, device_memory
 from hlo_tools.graph import Phase
+from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.verify import TOLERANCE, _memory_disagreements
 from solvers.simulator import live_bytes
@@ -108,6 +109,32 @@ def test_memory_at_both_peaks_is_attributed_to_operators(mesh24):
     assert [r["operator"].split()[0] for r in rows] == [f"k{tag_of(dot.op_name)}"]
     if abs(report.memory_error) <= TOLERANCE:                # explained only when asked
         assert step.verify().compiled_live_bytes is None
+
+
+def test_report_sets_the_predicted_step_beside_the_compiled_estimate(mesh24):
+    step, args = _step("mlp", mesh24)
+    step.lower(*args)
+    report = step.verify()
+    prepared = step.prepared
+    plan = prepared.plan
+    assert report.predicted_step_seconds == plan.predicted_step_seconds
+    # without recomputation the compute part is the operators' compute, once each
+    compute, _, _ = prepared.build.problem.costs_of(plan.strategy)
+    if not plan.recomputed:
+        assert report.predicted_compute_seconds == pytest.approx(compute.sum())
+    assert 0 < report.predicted_compute_seconds < report.predicted_step_seconds
+    assert report.compiled_cost == compiled_cost(prepared.compiled, mesh24, "v100-nvlink")
+    assert report.estimated_step_seconds == report.compiled_cost.step_seconds > 0
+    assert report.step_error == pytest.approx(
+        plan.predicted_step_seconds / report.estimated_step_seconds - 1)
+    row = report.to_dict()
+    assert row["estimated_step_seconds"] == report.estimated_step_seconds
+    assert row["compiled_cost"] == report.compiled_cost.to_dict()
+    json.dumps(row)                                        # the CLI prints it as JSON
+    table = report.table()
+    assert f"{plan.predicted_step_seconds * 1e3:11.4f} ms" in table
+    assert f"{report.estimated_step_seconds * 1e3:11.4f} ms" in table
+    assert f"({report.step_error:+.1%}" in table
 
 
 def test_nnx_step_updates_in_place_and_compiles_once_per_shape(mesh24):

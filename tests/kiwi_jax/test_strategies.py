@@ -14,8 +14,9 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
-from kiwi_jax.sharding import Comm, comm_seconds, enumerate_specs, reshard_comms
-from kiwi_jax.strategies import node_strategies, reshape_groups
+from kiwi_jax.sharding import (Comm, collective_seconds, comm_seconds, enumerate_specs,
+                               reshard_comms)
+from kiwi_jax.strategies import combined_all_reduces, node_strategies, reshape_groups
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
@@ -48,6 +49,11 @@ def test_alpha_beta_costs():
     assert reduce == pytest.approx(link.latency_s + 1.5 * 4096 / link.bandwidth)
     slow = CLUSTER.with_slowdown(10)
     assert comm_seconds(Comm("all-reduce", (1,), 4096), MESH, slow) == pytest.approx(10 * reduce)
+    # a collective-permute sends its buffer once, pairs have no group size
+    assert collective_seconds("collective-permute", 0, 4096, link) == pytest.approx(
+        link.latency_s + 4096 / link.bandwidth)
+    assert collective_seconds("all-reduce", 4, 4096, link) == reduce
+    assert collective_seconds("all-gather", 1, 4096, link) == 0.0
     two_node = Cluster.parse("v100-2node")
     assert two_node.axis_link(MESH, (0,)) == two_node.inter_node
     assert two_node.axis_link(MESH, (1,)) == two_node.intra_node
@@ -92,6 +98,36 @@ def test_matmul_strategies_and_costs():
     assert sr.comms == (Comm("all-reduce", (1,), 8 * 32 * 4 // 2),)
     assert sr.comm_s == pytest.approx(comm_seconds(sr.comms[0], MESH, CLUSTER))
     assert len({s.name for s in strategies}) == len(strategies)
+
+
+def test_independent_all_reduces_share_one_latency():
+    # The gradient of a 3-layer MLP: only the three weight gradients feed no later operator
+    # that may all-reduce, so XLA's combiner can merge their all-reduces; the forward and
+    # input-gradient dots feed later dots.
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return h.sum()
+
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    graph = lower_to_graph(jax.grad(loss), (w, w, w), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    combined = combined_all_reduces(graph)
+    dots = [n for n in graph.nodes if n.opcode == "dot"]
+    assert len(dots) == 8 and sum(combined[n.id] for n in dots) == combined.sum() == 3
+    assert all(graph.nodes[i].phase == Phase.BACKWARD for i in np.flatnonzero(combined))
+    build = build_problem(graph, MESH, CLUSTER, merge=False)
+    for dot in dots:
+        for strategy in build.strategies[dot.id]:
+            if not strategy.comms:
+                assert strategy.comm_s == 0.0
+                continue
+            (comm,) = strategy.comms
+            full = comm_seconds(comm, MESH, CLUSTER)
+            latency = CLUSTER.axis_link(MESH, comm.axes).latency_s
+            # each of the three pays a third of the combined all-reduce's latency
+            expected = full - 2 / 3 * latency if combined[dot.id] else full
+            assert strategy.comm_s == pytest.approx(expected, rel=1e-12)
 
 
 def test_unknown_opcode_falls_back_to_replicated_with_a_warning(caplog):

@@ -1,0 +1,120 @@
+"""The kernels of a compiled module: per kernel, the FLOPs it computes and the bytes it moves.
+
+After fusion every instruction of the entry computation that computes something is one kernel
+(a fusion, or an operation XLA left alone); its FLOPs are those of the operations it runs,
+counted as the cost model counts them (:func:`hlo_tools.graph.op_flops`, through fused and
+called computations), and its bytes are what it reads and writes in memory: its operands and
+its result, as XLA's cost analysis charges a fusion (values inside a fusion stay in registers).
+Collectives are not kernels here: they are priced as communication.
+
+Their sums are close to XLA's own ``compiled.cost_analysis()`` totals (``flops``,
+``bytes accessed``), which the tests check; unlike those totals they tell compute-bound kernels
+from memory-bound ones, so a roofline can be applied per kernel.
+
+References:
+  Williams, Waterman and Patterson, "Roofline: an insightful visual performance model" (CACM
+  2009): a kernel takes max(FLOPs / peak, bytes / bandwidth); XLA's HloCostAnalysis (a fusion's
+  bytes are its operands' and its result's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hlo_tools.compiled import KINDS
+from hlo_tools.graph import op_flops
+from hlo_tools.hlo_text import Computation, HloModule, HloParseError, parse_module
+
+__all__ = ["Kernel", "kernels", "NOT_KERNELS"]
+
+NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                         "partition-id", "replica-id", "after-all", "optimization-barrier"})
+"""Entry instructions that run no kernel: inputs, constants, views and tuple plumbing."""
+_NO_FLOPS = frozenset({"tuple", "get-tuple-element", "partition-id", "replica-id",
+                       "after-all", "custom-call"})
+"""Operations inside a kernel whose work the FLOP count does not see (a custom call's is
+unknown to the text, as it is to XLA's cost analysis)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of a compiled module's entry computation."""
+
+    name: str
+    """The entry instruction, without the leading ``%``."""
+    opcode: str
+    """Its opcode (``fusion`` for a fused kernel)."""
+    flops: float
+    """Floating point operations of everything it runs (:func:`hlo_tools.graph.op_flops`)."""
+    bytes: int
+    """Bytes it reads and writes: its operands' and its result's."""
+    op_name: str = ""
+    """The instruction's ``op_name`` (the jax source it came from), or ""."""
+
+
+def _is_collective(opcode: str) -> bool:
+    return opcode.removesuffix("-start").removesuffix("-done") in KINDS
+
+
+def _flops(module: HloModule, computation: Computation) -> float:
+    """FLOPs of a computation's operations, called computations included (a reduction's
+    combiner is not: the reduction counts one per input element)."""
+    defined = computation.by_name()
+    total = 0.0
+    for instr in computation.instructions:
+        if instr.opcode in ("fusion", "call"):
+            total += _flops(module, _called(module, instr))
+        elif instr.opcode in NOT_KERNELS or instr.opcode in _NO_FLOPS \
+                or _is_collective(instr.opcode):
+            continue
+        else:
+            total += op_flops(instr.opcode, instr.shape,
+                              [defined[o].shape for o in instr.operands],
+                              instr.int_list("lhs_contracting_dims"))
+    return total
+
+
+def _called(module: HloModule, instr) -> Computation:
+    name = instr.attrs.get("calls", instr.attrs.get("to_apply", "")).lstrip("%")
+    if name not in module.computations:
+        raise HloParseError(f"expected {instr.opcode} {instr.name!r} to call a computation of "
+                            f"the module, found calls={name!r}")
+    return module.computations[name]
+
+
+def kernels(hlo_text: str) -> tuple[Kernel, ...]:
+    """The kernels of a compiled module, in schedule order.
+
+    Args:
+      hlo_text: the compiled, partitioned module (``compiled.as_text()``).
+
+    Returns:
+      One :class:`Kernel` per entry instruction that is neither in :data:`NOT_KERNELS` nor a
+      collective.
+
+    Raises:
+      HloParseError: the text is not an HLO module, or a kernel reads an operand its
+        computation does not define.
+    """
+    module = parse_module(hlo_text)
+    entry = module.entry
+    defined = entry.by_name()
+    out = []
+    for instr in entry.instructions:
+        if instr.opcode in NOT_KERNELS or _is_collective(instr.opcode):
+            continue
+        missing = [o for o in instr.operands if o not in defined]
+        if missing:
+            raise HloParseError(f"expected the operands {missing} of {instr.name!r} to be "
+                                f"defined in the entry computation, found no definition")
+        operands = [defined[o].shape for o in instr.operands]
+        if instr.opcode in ("fusion", "call"):
+            flops = _flops(module, _called(module, instr))
+        elif instr.opcode in _NO_FLOPS:
+            flops = 0.0
+        else:
+            flops = op_flops(instr.opcode, instr.shape, operands,
+                             instr.int_list("lhs_contracting_dims"))
+        nbytes = instr.shape.nbytes + sum(s.nbytes for s in operands)
+        out.append(Kernel(instr.name, instr.opcode, flops, nbytes, instr.op_name))
+    return tuple(out)
