@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import math
 import re
 
 from hlo_tools.hlo_text import HloModule, HloParseError, Instruction, Shape, parse_module
+from hlo_tools.phase import Phase
 
 __all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text"]
 
@@ -33,19 +33,6 @@ _LAYER = re.compile(r"layer_(\d+)")
 
 class UnsupportedOpError(HloParseError):
     """The step contains an instruction the planner cannot model."""
-
-
-class Phase(enum.IntEnum):
-    """Where in the train step a node runs."""
-
-    PARAM = 0
-    """An input of the step: parameter, optimizer state or batch."""
-    FORWARD = 1
-    """The forward pass (``jvp`` in the op name)."""
-    BACKWARD = 2
-    """The backward pass (``transpose(jvp(...))`` in the op name)."""
-    OPTIMIZER = 3
-    """Everything that consumes gradients: the optimizer update."""
 
 
 @dataclasses.dataclass(frozen=True)
