@@ -83,8 +83,10 @@ def test_optimizer_state_mirrors_the_stack_and_batches_are_not_weights():
     assert found["[1][0]"] == found["[1][1]"] == -1
 
 
-def _step(scoped: bool, layers: int = 3):
-    """A residual MLP trained by SGD with momentum, plain jax: params and momentum in dicts."""
+def _step(scoped: bool, layers: int = 3, returns_loss: bool = False):
+    """A residual MLP trained by SGD with momentum, plain jax: params and momentum in dicts.
+    Without its loss among the outputs, the head's forward values only serve the backward
+    pass."""
 
     def model(params, x):
         h = x @ params["embed"]
@@ -95,9 +97,10 @@ def _step(scoped: bool, layers: int = 3):
         return h @ params["head"]
 
     def step(params, momentum, x, y):
-        grads = jax.grad(lambda p: jnp.mean((model(p, x) - y) ** 2))(params)
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model(p, x) - y) ** 2))(params)
         momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
-        return jax.tree.map(lambda p, m: p - 0.01 * m, params, momentum), momentum
+        new = jax.tree.map(lambda p, m: p - 0.01 * m, params, momentum), momentum
+        return (*new, loss) if returns_loss else new
 
     shapes = {"embed": (4, 16), "head": (16, 2),
               "blocks": [{"scale": (16,), "up": (16, 32), "down": (32, 16)}] * layers}
@@ -115,9 +118,9 @@ class _nothing:
         return False
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return _step(scoped=False)
+@pytest.fixture(scope="module", params=[False, True], ids=["loss-dropped", "loss-returned"])
+def plain(request):
+    return _step(scoped=False, returns_loss=request.param)
 
 
 def test_argument_paths_name_every_leaf_in_parameter_order():
@@ -144,7 +147,8 @@ def test_every_phase_of_a_block_lands_in_its_layer(plain):
 
 
 def test_the_found_layers_are_the_name_scopes_where_both_exist(plain):
-    scoped = _step(scoped=True)
+    scoped = _step(scoped=True, returns_loss=any(n.is_output and n.phase == Phase.FORWARD
+                                                 for n in plain.nodes))
     assert [n.opcode for n in scoped.nodes] == [n.opcode for n in plain.nodes]
     for a, b in zip(plain.nodes, scoped.nodes):
         if a.phase in (Phase.FORWARD, Phase.BACKWARD) and "layer_" in b.op_name:
