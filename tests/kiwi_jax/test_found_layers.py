@@ -13,6 +13,8 @@ import solvers
 from hlo_tools.graph import Phase, _layer_of
 from hlo_tools.layers import layer_report, path_components
 from kiwi_jax.frontend import problem_for_step, trace
+from kiwi_jax.models import build
+from solvers.heuristics import attention_core, keep_megatron
 from solvers.joint import build_joint
 from user_models import CompactNet, Llama, llama, linen
 
@@ -133,3 +135,29 @@ def test_the_tied_program_is_smaller_and_solves(linen2):
 def test_an_nnx_model_with_one_block_has_no_layers():
     graph = trace(*_unpack(llama(n_layers=1))).graph
     assert {n.layer for n in graph.nodes} == {-1}
+
+
+def test_alpa_megatron_finds_the_attention_core_without_scopes():
+    build, _ = problem_for_step(*_unpack(llama(n_layers=2)), mesh="2x4")
+    problem = build.problem
+    core = attention_core(problem)
+    for layer in (0, 1):
+        ops = [problem.opcodes[i] for i in np.flatnonzero(core & (problem.layer == layer))]
+        assert ops.count("dot") == 2 and "exponential" in ops      # scores, softmax, P V
+    recomputed = ~keep_megatron(problem)
+    assert recomputed.any() and not (recomputed & ~core).any()
+
+
+def test_the_structural_attention_core_holds_the_scoped_one():
+    ref = build("gpt", layers=2, hidden=32, heads=2, seq=8, batch=4, vocab=64)
+    made, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
+                               mesh="2x4")
+    problem, graph = made.problem, made.graph
+    scoped = np.array(["attention_core" in name for name in problem.op_names])
+    scoped &= problem.phase == Phase.FORWARD
+    found = attention_core(problem)
+    assert (found >= scoped).all()
+    extra = {(graph.nodes[i].opcode, graph.nodes[i].op_name == "") for i in np.flatnonzero(
+        found & ~scoped)}
+    # beyond the scope: constants only the core reads, and the merge of the heads (a view)
+    assert extra <= {("constant", True), ("broadcast", True), ("reshape", False)}
