@@ -19,6 +19,7 @@ import re
 from collections.abc import Sequence
 
 from hlo_tools.hlo_text import HloModule, HloParseError, Instruction, Shape, parse_module
+from hlo_tools.layers import find_layers, path_components
 from solvers.phase import Phase
 
 __all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text",
@@ -57,7 +58,8 @@ class Node:
     phase: Phase
     """Forward, backward, optimizer or parameter."""
     layer: int
-    """Index of the repeated layer the node belongs to (``layer_<i>`` name scope), or -1."""
+    """Index of the repeated layer the node belongs to, or -1: from ``layer_<i>`` name scopes,
+    else from the parameter tree (:mod:`hlo_tools.layers`)."""
     op_name: str
     """``op_name`` metadata: the JAX primitive path that produced the node."""
     is_output: bool = False
@@ -211,12 +213,22 @@ def _tagged_phase(op_name: str) -> Phase | None:
     return None
 
 
-def build_graph(module: HloModule) -> OpGraph:
+def build_graph(module: HloModule, param_paths: Sequence[Sequence] | None = None) -> OpGraph:
     """Build the operator graph of a module's entry computation.
 
     Dead instructions (not reachable backwards from the outputs) are dropped. Phases come from
     the ``op_name`` metadata (lower with ``debug_info=True``); untagged nodes that depend on a
     backward node belong to the optimizer, the others take the phase of their first user.
+
+    Layers come from ``layer_<i>`` name scopes where the step has them (inputs and untagged
+    forward nodes read by one layer only join it); otherwise from the parameter tree
+    (:func:`hlo_tools.layers.find_layers`).
+
+    Args:
+      module: the parsed HLO module.
+      param_paths: per entry parameter (by number), its pytree path as components
+        (``('args', 0, 'blocks', 3, 'w')``); default: parsed from the parameters' ``op_name``,
+        which jax sets to the argument's path.
 
     Raises:
       UnsupportedOpError: the step contains loops, conditionals or tuple-valued operators.
@@ -266,9 +278,16 @@ def build_graph(module: HloModule) -> OpGraph:
              attrs=records[rid]["instr"].attrs, phase=phases[idx], layer=layers[idx],
              op_name=records[rid]["op_name"], is_output=idx in output_set)
         for idx, rid in enumerate(kept))
-    return OpGraph(nodes=nodes, users=tuple(tuple(sorted(u)) for u in users),
-                   outputs=tuple(new_id[o] for o in outputs_raw),
-                   parameters=tuple(new_id[p] for p in param_ids))
+    user_ids = tuple(tuple(sorted(u)) for u in users)
+    parameters = tuple(new_id[p] for p in param_ids)
+    if not any(layer >= 0 for layer in layers):
+        if param_paths is None:
+            param_paths = [path_components(records[p]["op_name"]) for p in param_ids]
+        found = find_layers(nodes, user_ids, parameters, param_paths)
+        nodes = tuple(dataclasses.replace(node, layer=layer) if layer != node.layer else node
+                      for node, layer in zip(nodes, found))
+    return OpGraph(nodes=nodes, users=user_ids, outputs=tuple(new_id[o] for o in outputs_raw),
+                   parameters=parameters)
 
 
 def _layer_of(op_name: str) -> int:
@@ -276,6 +295,6 @@ def _layer_of(op_name: str) -> int:
     return int(found[-1]) if found else -1
 
 
-def graph_from_text(text: str) -> OpGraph:
-    """Parse HLO module text and build its operator graph."""
-    return build_graph(parse_module(text))
+def graph_from_text(text: str, param_paths: Sequence[Sequence] | None = None) -> OpGraph:
+    """Parse HLO module text and build its operator graph (see :func:`build_graph`)."""
+    return build_graph(parse_module(text), param_paths)

@@ -9,7 +9,7 @@ import jax
 
 from hlo_tools.graph import OpGraph, graph_from_text
 
-__all__ = ["lower_to_hlo", "lower_to_graph"]
+__all__ = ["lower_to_hlo", "lower_to_graph", "argument_paths"]
 
 
 def lower_to_hlo(fn, *args) -> str:
@@ -21,6 +21,21 @@ def lower_to_hlo(fn, *args) -> str:
     return jax.jit(fn, keep_unused=True).lower(*args).as_text(dialect="hlo", debug_info=True)
 
 
+def _component(key) -> str | int:
+    for attr in ("key", "idx", "name"):           # DictKey, SequenceKey / FlattenedIndexKey,
+        if hasattr(key, attr):                     # GetAttrKey
+            return getattr(key, attr)
+    return str(key)
+
+
+def argument_paths(*args) -> list[tuple]:
+    """Per leaf of ``args`` (HLO parameter order), its pytree path as components:
+    ``('args', 0, 'blocks', 3, 'kernel', 'value')``; the layer finder reads them
+    (:mod:`hlo_tools.layers`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    return [("args", *(_component(key) for key in path)) for path, _ in leaves]
+
+
 def lower_to_graph(fn, *args) -> OpGraph:
     """The operator graph of ``jax.jit(fn)`` at ``args``."""
-    return graph_from_text(lower_to_hlo(fn, *args))
+    return graph_from_text(lower_to_hlo(fn, *args), argument_paths(*args))

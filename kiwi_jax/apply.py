@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from hlo_tools.graph import OpGraph, Phase, graph_from_text
-from hlo_tools.lower import lower_to_hlo
+from hlo_tools.lower import argument_paths, lower_to_hlo
 from kiwi_jax.interpret import Interpreter, inlined_call, tag_of, trace_flat
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep
@@ -95,7 +95,7 @@ def trace_for_planning(pure: PureStep) -> TracedStep:
         return jax.tree.unflatten(out_tree, interpreter(*jax.tree.leaves(args)))
 
     text = lower_to_hlo(tagged, *pure.args)
-    graph = graph_from_text(text)
+    graph = graph_from_text(text, argument_paths(*pure.args))
     return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree,
                       fingerprint(text))
 

@@ -1,15 +1,17 @@
-"""Profile a reference model for pipeline planning from one representative layer.
+"""Profile a model for pipeline planning from one representative layer.
 
 Like Lynx's profiler, only a short model is lowered: the same configuration with two layers, so
-that a layer sits between the embedding and another layer. Its sharding is the fastest plan with
-no memory limit on the stage's mesh (``solvers.reference_plan``); its costs come from the cost
-model. The full model is that layer repeated ``layers`` times between the embedding and the head.
+that a layer sits between the embedding and another layer (:func:`model_profile` for the
+reference models; :func:`problem_profile` for any step whose layers the graph knows, from name
+scopes or from the parameter tree). Its sharding is the fastest plan with no memory limit on the
+stage's mesh (``solvers.reference_plan``); its costs come from the cost model. The full model is
+that layer repeated ``layers`` times between the embedding and the head.
 
 Attribution (all per device, under the plan):
-- forward and backward nodes by layer scope; outside layers, forward nodes that feed a layer
-  are the embedding's, the others the head's; backward nodes downstream of a layer's backward are
-  the embedding's, the others the head's;
-- inputs by layer scope (weights), optimizer state by its tree path (``...['mu'][path]`` belongs
+- forward and backward nodes by layer; outside layers, forward nodes that feed a layer are the
+  embedding's, the others the head's; backward nodes downstream of a layer's backward are the
+  embedding's, the others the head's;
+- weights by layer, optimizer state by its layer or its tree path (``...['mu'][path]`` belongs
   to the weight at ``path``); the gradient accumulator of a pipeline adds one copy of the
   weights; optimizer seconds are shared in proportion to the static bytes;
 - workspace: what the no-limit plan's peak holds beyond inputs and kept activations.
@@ -32,7 +34,7 @@ from solvers.lynx import layer_ops, split_costs
 from solvers.pipeline import Block, ModelProfile
 from solvers.phase import Phase
 
-__all__ = ["model_profile"]
+__all__ = ["model_profile", "problem_profile"]
 
 _ARGS = re.compile(r"^args(\[\d+\])+")
 
@@ -72,7 +74,7 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     """Profile ``model`` with ``layers`` layers for pipeline planning (see the module notes).
 
     Args:
-      model: a reference model name with layer scopes (``gpt``, ``bert``).
+      model: a reference model name (``gpt``, ``bert``).
       layers: the full model's depth.
       mesh: the mesh of one stage (tensor parallelism inside a stage).
       cluster: hardware; stages talk over its inter-node link.
@@ -84,13 +86,38 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     ref = build(model, layers=2, **config)
     built, _ = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
                                 mesh=mesh, cluster=cluster)
-    problem = built.problem
+    return problem_profile(built.problem, layers, cluster, ref.config.batch, time_limit)
+
+
+def problem_profile(problem, layers: int, cluster="a100-nvlink", micro_batch: int = 1,
+                    time_limit: float = 60.0) -> ModelProfile:
+    """Profile a short train step's problem for pipeline planning: its layers (from name
+    scopes or from the parameter tree, see :mod:`hlo_tools.layers`) are layer 0 and repeats
+    of it, what feeds them the embedding, the rest the head (see the module notes).
+
+    Args:
+      problem: the step's problem on one stage's mesh, with at least two identical layers.
+      layers: the full model's depth.
+      cluster: hardware; stages talk over its inter-node link.
+      micro_batch: samples per micro-batch of the profiled step.
+      time_limit: seconds for the no-limit reference plan.
+
+    Raises:
+      ValueError: the problem has fewer than two layers.
+    """
+    found = np.unique(problem.layer[problem.layer >= 0])
+    if len(found) < 2:
+        raise ValueError(
+            f"pipeline profiling needs a step with at least two repeated layers, found "
+            f"{len(found)}: name scopes layer_<i>, or numbered blocks of identical parameters "
+            "in the parameter tree (blocks[i], layers_i); lower the step with two layers or "
+            "more")
     plan = solvers.reference_plan(problem, time_limit=time_limit)
     strategy = plan.strategy
     compute, comm = split_costs(problem, strategy)
     cost = compute + comm
     memory = problem.memory_of(strategy)
-    ops = layer_ops(problem, strategy, 0)
+    ops = layer_ops(problem, strategy, int(found[0]))
     tagged = problem.layer >= 0
     phase = problem.phase
 
@@ -111,21 +138,26 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     side_of_weight = {}
     for i in np.flatnonzero(phase == Phase.PARAM):
         users = readers[i]
-        if problem.layer[i] == 0:
+        if not any(phase[u] == Phase.FORWARD for u in users):
+            continue                                  # optimizer state, not a weight
+        if problem.layer[i] == found[0]:
             side_of_weight[int(i)] = "layer"
-        elif problem.layer[i] >= 1:
-            side_of_weight[int(i)] = "repeat"         # layer 1 repeats layer 0
+        elif problem.layer[i] >= 0:
+            side_of_weight[int(i)] = "repeat"         # later layers repeat layer 0
         elif any(embed_fwd[u] for u in users):
             side_of_weight[int(i)] = "embed"
         elif any(head_fwd[u] for u in users):
             side_of_weight[int(i)] = "head"
     groups = _input_groups(problem, side_of_weight)
+    for i in groups:                                  # state the layer finder placed
+        if i not in side_of_weight and problem.layer[i] >= 0:
+            groups[i] = "layer" if problem.layer[i] == found[0] else "repeat"
     static = {"layer": 0, "embed": 0, "head": 0, "repeat": 0}
     for i, side in groups.items():
         grad = memory[i] if i in side_of_weight else 0
         static[side] += int(memory[i] + grad)
     optimizer = float(cost[phase == Phase.OPTIMIZER].sum())
-    total_static = static["layer"] * 2 + static["embed"] + static["head"]
+    total_static = static["layer"] * len(found) + static["embed"] + static["head"]
 
     def held(mask) -> int:
         return int(memory[mask & problem.z.astype(bool)].sum())
@@ -146,13 +178,13 @@ def model_profile(model: str = "gpt", layers: int = 32, mesh="1x4", cluster="a10
     embed = block(embed_fwd, embed_bwd, static["embed"], held(embed_fwd))
     head = block(head_fwd, head_bwd, static["head"], held(head_fwd))
     inputs = int(memory[phase == Phase.PARAM].sum())
-    workspace = max(0, plan.peak_bytes - inputs - 2 * layer_held - embed.held_bytes
+    workspace = max(0, plan.peak_bytes - inputs - len(found) * layer_held - embed.held_bytes
                     - head.held_bytes)
     boundary = int(sum(memory[i] for i in ops.nodes
-                       if any(problem.layer[r] == 1 for r in readers[i])))
+                       if any(problem.layer[r] == found[1] for r in readers[i])))
     hardware = Cluster.parse(cluster)
     link, slow = hardware.inter_node, hardware.comm_slowdown
     return ModelProfile(layer_ops=ops, layer=layer, embed=embed, head=head, layers=layers,
                         workspace_bytes=workspace, boundary_bytes=boundary,
                         link_latency=link.latency_s * slow, link_bandwidth=link.bandwidth / slow,
-                        micro_batch=ref.config.batch)
+                        micro_batch=micro_batch)

@@ -13,11 +13,19 @@ References:
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["keep_all", "keep_dots", "keep_megatron", "keep_layer_inputs", "RULES"]
+__all__ = ["keep_all", "keep_dots", "keep_megatron", "keep_layer_inputs", "attention_core",
+           "RULES"]
+
+log = logging.getLogger(__name__)
+
+_VIEWS = frozenset({"reshape", "transpose", "convert", "bitcast", "copy", "broadcast"})
 
 
 def keep_all(problem: ShardingProblem) -> np.ndarray:
@@ -41,12 +49,71 @@ def keep_dots(problem: ShardingProblem) -> np.ndarray:
     return _apply(problem, np.array([op != "dot" for op in problem.opcodes]))
 
 
+def attention_core(problem: ShardingProblem) -> np.ndarray:
+    """bool per node: the forward operators of attention cores found by structure.
+
+    A product of two activations (a ``dot`` none of whose operands is a step input or a view
+    of one: the scores ``Q K^T``, the weighted sum ``P V``) and the forward operators on a path
+    from one such product to another that passes no other ``dot`` (scale, mask, softmax); with
+    them the views of their results, the values computed from them for the backward pass only
+    (softmax's derivative factors), and the mask built from no input that only they read. A
+    path from one layer's ``P V`` to the next layer's scores passes the output projection, a
+    product with a weight, so cores do not run into each other; a model without such pairs
+    (an MLP) has none.
+    """
+    n = problem.num_nodes
+    forward = problem.phase == Phase.FORWARD
+    operands: list[list[int]] = [[] for _ in range(n)]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for src, dst, _slot in problem.edges:
+        operands[int(dst)].append(int(src))
+        users[int(src)].append(int(dst))
+    from_input = np.zeros(n, bool)
+    for i in range(n):
+        from_input[i] = problem.phase[i] == Phase.PARAM or (
+            problem.opcodes[i] in _VIEWS and len(operands[i]) == 1 and from_input[operands[i][0]])
+    product = np.array([forward[i] and problem.opcodes[i] == "dot" and bool(operands[i])
+                        and not any(from_input[o] for o in operands[i]) for i in range(n)])
+    between = forward & np.array([op != "dot" for op in problem.opcodes])
+    after = np.zeros(n, bool)                 # reached from a product, through no other dot
+    for i in range(n):
+        after[i] = between[i] and any(product[o] or after[o] for o in operands[i])
+    before = np.zeros(n, bool)                # reaching a product, through no other dot
+    for i in range(n - 1, -1, -1):
+        before[i] = between[i] and any(product[u] or before[u] for u in users[i])
+    core = after & before
+    for i in np.flatnonzero(product):
+        core[i] = any(product[u] or before[u] for u in users[i]) or \
+            any(product[o] or after[o] for o in operands[i])
+    free = np.zeros(n, bool)                  # computed from no input (a causal mask)
+    for i in range(n):
+        free[i] = problem.phase[i] != Phase.PARAM and all(free[o] for o in operands[i])
+    for_backward = np.zeros(n, bool)          # forward values only the backward pass needs
+    for i in range(n - 1, -1, -1):
+        for_backward[i] = forward[i] and all(for_backward[u] for u in users[i] if forward[u])
+    for i in range(n):                        # views of the result; derivative factors
+        if forward[i] and not core[i] and any(core[o] for o in operands[i]) \
+                and all(core[o] or free[o] for o in operands[i]):
+            core[i] = for_backward[i] or (problem.opcodes[i] in _VIEWS and len(operands[i]) == 1)
+    for i in range(n - 1, -1, -1):            # the mask and constants only the core reads
+        readers = [u for u in users[i] if forward[u]]
+        if forward[i] and free[i] and readers and all(core[u] for u in readers):
+            core[i] = True
+    return core
+
+
 def keep_megatron(problem: ShardingProblem) -> np.ndarray:
-    """Recompute the attention core (scores, mask, softmax, weighted sum), keep the rest."""
-    if not problem.op_names:
-        raise ValueError("alpa+megatron needs the problem's op_names (name scopes) to find the "
-                         "attention core; rebuild the problem with kiwi_jax.build_problem")
-    return _apply(problem, np.array(["attention_core" in name for name in problem.op_names]))
+    """Recompute the attention core (scores, mask, softmax, weighted sum), keep the rest.
+
+    The core is what the ``attention_core`` name scopes hold where the model has them, else
+    what :func:`attention_core` finds by structure; a model without attention recomputes
+    nothing (the rule is then ``alpa``)."""
+    if any("attention_core" in name for name in problem.op_names):
+        return _apply(problem, np.array(["attention_core" in name for name in problem.op_names]))
+    core = attention_core(problem)
+    log.info("alpa+megatron: %d operators in attention cores found by structure (no "
+             "attention_core name scope)", int(core.sum()))
+    return _apply(problem, core)
 
 
 def keep_layer_inputs(problem: ShardingProblem) -> np.ndarray:

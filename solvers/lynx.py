@@ -474,7 +474,10 @@ def lynx_heu(problem: ShardingProblem, budget_bytes: int | None, strategy,
     strategy = np.asarray(strategy)
     layers = np.unique(problem.layer[problem.layer >= 0])
     if not len(layers):
-        raise ValueError("lynx-heu needs a model with repeated layers (name scopes layer_<i>)")
+        raise ValueError("lynx-heu needs a model with repeated layers, found none: name scopes "
+                         "layer_<i>, or numbered blocks of identical parameters in the "
+                         "parameter tree (blocks[i], layers_i); use solver 'kiwi' or "
+                         "'lynx-opt'")
     ops = layer_ops(problem, strategy, int(layers[0]))
     counterparts = _counterparts(problem, ops)
     keep_all = simulate(problem, strategy)

@@ -5,9 +5,12 @@ Tying is a restriction of the search space: every tied plan is a plan of the ful
 memory is still checked over the whole step, and the tests measure what it costs in step time.
 
 Counterparts are found in two passes:
-1. Operators inside layers (``layer >= 0``): the k-th operator of a layer with a given phase,
-   opcode, strategy count and name (digits removed: ``blocks[3]`` ~ ``blocks[0]``, equation
-   tags ``k17`` ~ ``k5``) is tied to the k-th such operator of the reference layer.
+1. Operators inside layers (``layer >= 0``): operators with the same phase, opcode, strategy
+   count, name (digits removed: ``blocks[3]`` ~ ``blocks[0]``, equation tags ``k17`` ~ ``k5``)
+   and memory, whose operands and readers in the layer are alike in the same way (structural
+   labels, :func:`_structural_labels`), are paired in order with the reference layer's (see
+   :func:`_pair_layers`); operators without such a counterpart (a layer that is not a repeat,
+   a misplaced boundary) are not tied.
 2. Inputs outside layers (optimizer state: ``mu['blocks'][3]``) are tied to the first input of
    the same name up to digits.
 3. Everything else (the optimizer's per-parameter updates carry no layer scope), in topological
@@ -24,6 +27,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import numpy as np
@@ -33,6 +37,8 @@ from solvers.problem import ShardingProblem
 
 __all__ = ["layer_ties", "with_layer_ties", "has_ties"]
 
+log = logging.getLogger(__name__)
+
 _DIGITS = re.compile(r"\d+")
 
 
@@ -40,6 +46,69 @@ def _same(problem: ShardingProblem, i: int, j: int) -> bool:
     return (problem.strategy_names[i] == problem.strategy_names[j]
             and np.allclose(problem.node_cost(i), problem.node_cost(j), rtol=1e-9, atol=0)
             and np.array_equal(problem.memory[i], problem.memory[j]))
+
+
+def _structural_labels(problem: ShardingProblem, key, rounds: int) -> list[dict[int, int]]:
+    """Per refinement round (0 .. ``rounds``), per operator inside a layer, a label equal for
+    structural counterparts. Round 0: its key and per-strategy memory; each further round adds
+    the labels of its operands (by slot) and readers inside its layer (Weisfeiler-Lehman
+    refinement; operands from outside the layer are all alike)."""
+    layer = problem.layer
+    inside = [int(i) for i in np.flatnonzero(layer >= 0)]
+    operands: dict[int, list[tuple[int, int]]] = {}
+    readers: dict[int, list[int]] = {}
+    for src, dst, slot in problem.edges:
+        operands.setdefault(int(dst), []).append((int(slot), int(src)))
+        readers.setdefault(int(src), []).append(int(dst))
+    table: dict = {}
+    labels = [{i: table.setdefault((key(i), tuple(problem.memory[i].tolist())), len(table))
+               for i in inside}]
+    for _ in range(rounds):
+        label, table = labels[-1], {}
+        labels.append({i: table.setdefault((
+            label[i],
+            tuple(label[o] if layer[o] == layer[i] else -1
+                  for _, o in sorted(operands.get(i, []))),
+            tuple(sorted(label[u] for u in readers.get(i, []) if layer[u] == layer[i]))),
+            len(table)) for i in inside})
+    return labels
+
+
+def _pair_layers(problem: ShardingProblem, labels, reference: int, tie: np.ndarray) -> None:
+    """Tie each layer's operators to the reference layer's with the same label, finest labels
+    first: a label held by as many operators in both layers pairs them in order; operators
+    left over are tried again with the coarser labels of the round before, down to round 1 (an
+    operator's key, memory and operands' keys by slot). Round 0 alone (the key) would pair the
+    k-th operators of a kind in order, which pairs different operators when a boundary node
+    moved from one layer's end to the next one's start."""
+    layer = problem.layer
+    members: dict[int, list[int]] = {}
+    for i in np.flatnonzero(layer >= 0):
+        members.setdefault(int(layer[i]), []).append(int(i))
+    reference_nodes = members.get(reference, [])
+    for current, nodes in members.items():
+        if current == reference:
+            continue
+        left, twins_left = list(nodes), list(reference_nodes)
+        for label in reversed(labels[1:]):
+            groups: dict[int, list[int]] = {}
+            for i in left:
+                groups.setdefault(label[i], []).append(i)
+            twins: dict[int, list[int]] = {}
+            for j in twins_left:
+                twins.setdefault(label[j], []).append(j)
+            paired = set()
+            for group, ids in groups.items():
+                if len(twins.get(group, ())) == len(ids):
+                    for i, j in zip(ids, twins[group]):
+                        if _same(problem, i, j):
+                            tie[i] = j
+                            paired.update((i, j))
+            left = [i for i in left if i not in paired]
+            twins_left = [j for j in twins_left if j not in paired]
+        if left:
+            log.info("layer %d: %d of %d operators have no structural counterpart in layer %d; "
+                     "they are not tied", current, len(left), len(nodes), reference)
 
 
 def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.ndarray:
@@ -61,20 +130,7 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
     def key(i):
         return (int(problem.phase[i]), problem.opcodes[i], int(k[i]), _DIGITS.sub("#", names[i]))
 
-    by_layer: dict[int, dict[tuple, list[int]]] = {}
-    for i in np.flatnonzero(problem.layer >= 0):
-        by_layer.setdefault(int(problem.layer[i]), {}).setdefault(key(i), []).append(int(i))
-    ref_groups = by_layer.get(reference, {})
-    for layer, groups in by_layer.items():
-        if layer == reference:
-            continue
-        for group_key, nodes in groups.items():
-            twins = ref_groups.get(group_key, [])
-            if len(twins) != len(nodes):
-                continue
-            for i, j in zip(nodes, twins):
-                if _same(problem, i, j):
-                    tie[i] = j
+    _pair_layers(problem, _structural_labels(problem, key, rounds=3), reference, tie)
 
     first_of: dict[tuple, int] = {}          # inputs outside layers (optimizer state)
     for i in np.flatnonzero((problem.layer < 0) & (problem.phase == Phase.PARAM)):

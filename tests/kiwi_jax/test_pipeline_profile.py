@@ -6,7 +6,10 @@ import json
 import pytest
 
 from kiwi_jax.cli import main
-from kiwi_jax.pipeline import model_profile
+from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.pipeline import model_profile, problem_profile
+from solvers.pipeline import partition
+from user_models import llama
 
 TINY = {"hidden": 32, "heads": 2, "seq": 16, "vocab": 64}
 
@@ -60,3 +63,26 @@ def test_cli_plan_lynx_heu_reports_overlapped_and_on_demand_recomputation(capsys
     assert result["overlapped_recompute_seconds"] > 0
     assert result["on_demand_recompute_seconds"] >= 0
     assert result["predicted_step_seconds"] == pytest.approx(result["objective_step_seconds"])
+
+
+def test_a_user_model_without_scopes_profiles_from_its_found_layers():
+    step, args = llama(n_layers=2)
+    built, _ = problem_for_step(step, *args, mesh="1x2", cluster="a100-nvlink")
+    profile = problem_profile(built.problem, layers=6, cluster="a100-nvlink", micro_batch=8)
+    # a decoder layer: wq, wo (h x h), wk, wv (h x h/2), w1, w3, w2 (h x 4h), two norms;
+    # AdamW's two moments and the pipeline's gradient accumulator: at most 4 copies
+    h = 32
+    weights = (2 * h * h + h * h + 12 * h * h + 2 * h) * 4
+    assert weights * 4 / 2 <= profile.layer.static_bytes <= weights * 4
+    assert profile.layer.forward_seconds > 0 and profile.layer.backward_seconds > 0
+    assert profile.embed.static_bytes > 0 and profile.head.static_bytes > 0
+    result = partition(profile, stages=3, micro_batches=4, budget_bytes=1 << 30,
+                       method="dawnpiper")
+    assert sum(s.layers for s in result.stages) == 6 and result.fits
+
+
+def test_profiling_a_step_without_repeated_layers_says_what_it_needs():
+    step, args = llama(n_layers=1)
+    built, _ = problem_for_step(step, *args, mesh="1x2")
+    with pytest.raises(ValueError, match="at least two repeated layers, found 0.*layers_i"):
+        problem_profile(built.problem, layers=6)

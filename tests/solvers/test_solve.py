@@ -142,9 +142,39 @@ def _with_scopes(p):
     return solvers.with_layer_ties(dataclasses.replace(p, op_names=names))
 
 
-def test_megatron_needs_name_scopes():
-    with pytest.raises(ValueError, match="op_names"):
-        solve(random_problem(0), None, solver="alpa+megatron")
+def _attention_problem():
+    """x, wq, wk, wv, wo -> q, k, v (dots with weights) -> scores (q k) -> scale, exp, sum,
+    divide -> p v -> output projection -> loss; each forward value read by one backward node.
+    No op_names: the core is found by structure."""
+    names = ["x", "wq", "wk", "wv", "wo", "q", "k", "v", "scores", "scaled", "exp", "sum",
+             "probs", "pv", "heads", "out", "loss"]
+    opcodes = ["parameter"] * 5 + ["dot", "dot", "dot", "dot", "multiply", "exponential",
+                                   "reduce", "divide", "dot", "reshape", "dot", "reduce"]
+    at = {name: i for i, name in enumerate(names)}
+    edges = [(at[a], at[b]) for a, b in [
+        ("x", "q"), ("wq", "q"), ("x", "k"), ("wk", "k"), ("x", "v"), ("wv", "v"),
+        ("q", "scores"), ("k", "scores"), ("scores", "scaled"), ("scaled", "exp"),
+        ("exp", "sum"), ("exp", "probs"), ("sum", "probs"), ("probs", "pv"), ("v", "pv"),
+        ("pv", "heads"), ("heads", "out"), ("wo", "out"), ("out", "loss")]]
+    phases = [Phase.PARAM] * 5 + [Phase.FORWARD] * 12
+    for name in names[5:]:                    # the backward pass reads every forward value
+        phases.append(Phase.BACKWARD)
+        opcodes.append("multiply")
+        edges.append((at[name], len(phases) - 1))
+    n = len(phases)
+    problem = make_problem(phases, edges, [[1.0]] * n, [[100]] * n, outputs=(at["loss"],),
+                           opcodes=opcodes)
+    return problem, [at[name] for name in ("scores", "scaled", "exp", "sum", "probs", "pv",
+                                           "heads")]
+
+
+def test_megatron_without_name_scopes_finds_the_attention_core_by_structure():
+    problem, core = _attention_problem()
+    assert np.flatnonzero(solvers.heuristics.attention_core(problem)).tolist() == core
+    keep = solvers.heuristics.keep_megatron(problem)
+    assert set(np.flatnonzero(~keep)) <= set(core) and not keep[core[0]]
+    # no attention (random graphs have no dots): nothing to recompute, the rule is alpa's
+    assert solvers.heuristics.keep_megatron(random_problem(0)).all()
 
 
 def test_unknown_solver_and_backend_are_named():

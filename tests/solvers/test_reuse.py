@@ -1,0 +1,53 @@
+"""Layer ties: counterparts by structure, never by position alone."""
+
+import numpy as np
+import pytest
+
+from solvers.reuse import layer_ties
+from solvers.phase import Phase
+from solvers.synthetic import make_problem
+
+KINDS = ("start", "scale", "end")
+"""Each block: an add starting it, a multiply, an add ending it (a chain x -> a -> m -> e)."""
+
+
+def _blocks(layers: list[int]):
+    """Three chained blocks and a loss; ``layers`` gives each of the 9 block nodes' layer."""
+    phases, edges, compute, memory, opcodes, kinds = [Phase.PARAM], [], [[0.0]], [[10]], ["param"], [""]
+    for _ in range(3):
+        for kind in KINDS:
+            edges.append((len(phases) - 1, len(phases)))
+            phases.append(Phase.FORWARD)
+            compute.append([2.0 if kind == "scale" else 1.0])
+            memory.append([100])
+            opcodes.append("multiply" if kind == "scale" else "add")
+            kinds.append(kind)
+    edges.append((len(phases) - 1, len(phases)))
+    phases.append(Phase.FORWARD)
+    compute.append([0.5])
+    memory.append([1])
+    opcodes.append("reduce")
+    kinds.append("")
+    layer = [-1, *layers, -1]
+    problem = make_problem(phases, edges, compute, memory, outputs=(len(phases) - 1,),
+                           layer=layer, opcodes=opcodes)
+    return problem, kinds
+
+
+def test_identical_layers_tie_every_operator_to_its_counterpart():
+    problem, kinds = _blocks([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    tie = layer_ties(problem)
+    for i in np.flatnonzero(problem.layer >= 1):
+        assert problem.layer[tie[i]] == 0 and kinds[tie[i]] == kinds[i]
+
+
+@pytest.mark.parametrize("layers", [
+    [0, 0, 0, -1, 1, 1, 1, -1, -1],       # layer 1 found one operator late: scale, end, start
+    [0, 0, 0, 0, 1, 1, 1, 1, -1],         # layer 0 took layer 1's start, layer 1 layer 2's
+])
+def test_a_misplaced_boundary_ties_nothing_to_the_wrong_operator(layers):
+    problem, kinds = _blocks(layers)
+    tie = layer_ties(problem)
+    tied = [i for i in range(problem.num_nodes) if tie[i] != i]
+    assert all(kinds[tie[i]] == kinds[i] for i in tied), [(kinds[i], kinds[tie[i]])
+                                                          for i in tied]
