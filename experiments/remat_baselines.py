@@ -10,6 +10,9 @@ keeps one: GPUs do, the CPU does not) and its step time (median over ``--steps``
   dots_saveable     every block under jax.checkpoint(policy=dots_saveable)
   nothing_saveable  every block under jax.checkpoint(policy=nothing_saveable)
   kiwi@F            kiwi_jax.optimize with memory_budget = F x the plain step's compiled memory
+                    (its search of the solver's budget against the compiled step, at most
+                    ``--fit-compiles`` compiles, is reported: ``fit_compiles_spent``,
+                    ``fit_ratio`` = compiled / budget, and every trial under ``fit``)
 
 and, per budget, which variants fit it. Numerics: each variant's loss and train state after three
 steps from the same initial state, against the plain step's (``max_rel_diff``: per leaf, the norm
@@ -18,7 +21,8 @@ peak is its own; the plans are cached under the work directory.
 
 Usage: python -m experiments.remat_baselines [--quick] [--layers 4 --hidden 256 ...]
        [--budgets 0.8 0.6] [--baselines dots_saveable] [--cluster h100]
-       [--memory-model operator] [--matmul-precision highest] [--name NAME] [--json]
+       [--memory-model operator] [--fit-compiles 6] [--matmul-precision highest]
+       [--name NAME] [--json]
 Writes results/<NAME>.json and .png (step time against memory, budgets as lines; NAME defaults
 to remat_baselines).
 """
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from kiwi_jax.fit import FIT_COMPILES
 from kiwi_jax.problem import MEMORY_MODELS
 
 BASELINES = ("plain", "dots_saveable", "nothing_saveable")
@@ -77,7 +82,10 @@ def _compiled_step(variant: str, ref, args, budget_bytes: int | None, options: d
              "predicted_peak_bytes": int(plan.predicted_peak_bytes),
              "predicted_step_seconds": plan.predicted_step_seconds,
              "recomputed": len(plan.recomputed), "operators": len(plan.keep),
-             "solver_budget_bytes": plan.solver_budget_bytes}
+             "solver_budget_bytes": plan.solver_budget_bytes,
+             "fit_compiles_spent": None if plan.fit is None else plan.fit.compiles,
+             "fit_ratio": None if plan.fit is None else plan.fit.ratio,
+             "fit": None if plan.fit is None else plan.fit.to_dict()}
     placed = jax.device_put(pure.args, prepared.in_shardings)
     return prepared.compiled, placed, prepared.state_out, extra
 
@@ -144,7 +152,8 @@ def _child(variant: str, args, workdir: pathlib.Path, budget_bytes: int | None) 
 def _forwarded(args) -> list[str]:
     out = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--cluster", args.cluster, "--time-limit", str(args.time_limit),
-           "--matmul-precision", args.matmul_precision, "--memory-model", args.memory_model]
+           "--matmul-precision", args.matmul_precision, "--memory-model", args.memory_model,
+           "--fit-compiles", str(args.fit_compiles)]
     for name, value in _config(args).items():
         out += [f"--{name}", str(value)]
     return out
@@ -187,6 +196,7 @@ def study(args) -> dict:
             "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
             "model": args.model, "config": _config(args), "cluster": args.cluster,
             "matmul_precision": args.matmul_precision, "memory_model": args.memory_model,
+            "fit_compiles": args.fit_compiles,
             "steps": args.steps, "warmup": args.warmup, "budgets": budgets,
             "variants": rows}
 
@@ -234,6 +244,9 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--time-limit", type=float, default=120.0, help="solver seconds")
     parser.add_argument("--memory-model", default="auto", choices=MEMORY_MODELS,
                         help="kiwi's memory model (see kiwi_jax.problem.MEMORY_MODELS)")
+    parser.add_argument("--fit-compiles", type=int, default=FIT_COMPILES,
+                        help="most compiles kiwi's search of the solver budget spends "
+                             "(0: no search)")
     parser.add_argument("--matmul-precision", default="default",
                         help="jax_default_matmul_precision: 'default' (TF32 on recent GPUs) or "
                              "'highest' (full fp32, for the numerics)")
@@ -255,7 +268,8 @@ def main(argv=None) -> dict | None:
 
         workdir = pathlib.Path(args.workdir)
         options = dict(cluster=args.cluster, time_limit=args.time_limit,
-                       memory_model=args.memory_model, cache_dir=workdir / "plans")
+                       memory_model=args.memory_model, fit_compiles=args.fit_compiles,
+                       cache_dir=workdir / "plans")
         try:
             row = _run_variant(args.variant, args.model, _config(args), args.budget_bytes,
                                options, args.steps, args.warmup, workdir)
@@ -273,9 +287,11 @@ def main(argv=None) -> dict | None:
         if "infeasible" in row:
             print(f"{name:18s} {row['infeasible']}", file=sys.stderr)
             continue
+        search = "" if row.get("fit") is None else \
+            f"  {row['fit_compiles_spent']} compiles, {row['fit_ratio']:.3f} of the budget"
         print(f"{name:18s} {row['compiled_peak_bytes'] / 2**20:10.1f} MiB "
               f"{row['step_ms_median']:9.2f} ms ({row['step_time_vs_plain']:.3f}x) "
-              f"fits {row['fits']}  state diff {row['max_state_rel_diff']:.1e}",
+              f"fits {row['fits']}  state diff {row['max_state_rel_diff']:.1e}{search}",
               file=sys.stderr)
     return result
 

@@ -212,7 +212,7 @@ def _cmd_verify(args) -> dict:
                     solver=args.solver, backend=args.backend, time_limit=args.time_limit,
                     mip_gap=args.gap, reuse_layers=args.reuse_layers,
                     cache_dir=False if args.no_cache else args.cache_dir,
-                    memory_model=args.memory_model)
+                    memory_model=args.memory_model, fit_compiles=args.fit_compiles)
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
            "cluster": args.cluster}
@@ -253,6 +253,7 @@ def _cmd_verify(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from kiwi_jax.fit import FIT_COMPILES
     from solvers.options import SolverOptions
 
     defaults = SolverOptions()          # the solver defaults of solvers.solve and the decorator
@@ -314,6 +315,9 @@ def main(argv=None) -> int:
                         default=defaults.reuse_layers,
                         help="one decision per operator of identical layers (faster solves; "
                         "default %(default)s)")
+    verify.add_argument("--fit-compiles", type=int, default=FIT_COMPILES,
+                        help="most compiles spent searching the solver's budget against the "
+                        "compiled step (0: none; default %(default)s)")
     verify.add_argument("--steps", type=int, default=3, help="steps compared with the plain step")
     verify.add_argument("--explain", action="store_true", help="print the plan per layer")
     verify.add_argument("--png", default=None, help="write the memory timeline to this PNG")

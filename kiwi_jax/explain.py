@@ -45,6 +45,8 @@ def explain(build: ProblemBuild, plan: Plan, verbose: bool = False) -> str:
              f"predicted step {plan.predicted_step_seconds * 1e3:.3f} ms (ideal compute "
              f"{plan.ideal_compute_seconds * 1e3:.3f} ms), peak {_mib(plan.predicted_peak_bytes)}"
              f", {len(recomputed)} forward values recomputed"]
+    if plan.fit is not None:
+        lines.append(f"solver budget searched against the compiled step: {plan.fit.describe()}")
     for layer in sorted(layers, key=lambda v: (v < 0, v)):
         nodes = layers[layer]
         by_phase = collections.defaultdict(float)

@@ -41,7 +41,8 @@ from kiwi_jax.apply import TracedStep, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
-from kiwi_jax.plan import Plan, resolve_budget, solve_plan
+from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
+from kiwi_jax.plan import Plan, plan_from_solution, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
 from kiwi_jax.verify import VerifyReport, verify_prepared
@@ -50,10 +51,6 @@ from solvers.options import DEFAULTS as SOLVER_DEFAULTS
 __all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
 
 log = logging.getLogger(__name__)
-
-FIT_ROUNDS = 3
-"""Re-solves allowed when the compiled step comes out over the budget."""
-
 
 class NotATrainStepError(ValueError):
     """The function has no backward pass: there is nothing to plan recomputation for."""
@@ -94,6 +91,11 @@ class Options:
     """How values are charged memory: ``auto`` (values fused into their readers hold none on
     one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
     :data:`kiwi_jax.problem.MEMORY_MODELS`."""
+    fit_compiles: int = FIT_COMPILES
+    """Most plans compiled while searching the solver's budget against the compiled step
+    (:mod:`kiwi_jax.fit`): until it fits the budget and uses at least 97% of it, or more
+    memory cannot make it faster. 0: no search; the plan solved under the budget runs as
+    compiled, and a budget the model finds no plan under is an error."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -104,7 +106,7 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
              solver=SOLVER_DEFAULTS.solver, backend=SOLVER_DEFAULTS.backend,
              time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
              reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
-             overlap=True, memory_model="auto"):
+             overlap=True, memory_model="auto", fit_compiles=FIT_COMPILES):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
@@ -115,13 +117,16 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
       An :class:`OptimizedStep`: call it like the step; ``.plan``, ``.explain()``, ``.verify()``.
 
     Raises:
-      ValueError: a mesh that does not have exactly two axes.
+      ValueError: a mesh that does not have exactly two axes, or a negative ``fit_compiles``.
     """
     MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
     Cluster.parse(cluster)
     check_memory_model(memory_model)
+    if not (isinstance(fit_compiles, int) and fit_compiles >= 0):
+        raise ValueError(f"fit_compiles: expected a count of compiles >= 0 (0: no search), "
+                         f"got {fit_compiles!r}")
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate, overlap, memory_model)
+                      reuse_layers, cache_dir, donate, overlap, memory_model, fit_compiles)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -190,15 +195,18 @@ class OptimizedStep:
                               memory_model=options.memory_model)
         state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
         try:
-            (plan, cached), applied = self._plan(traced, build), None
+            (plan, cached), infeasible = self._plan(traced, build), None
         except solvers.InfeasibleBudgetError as error:
-            (plan, applied), cached = self._closest(traced, build, error, abstract, state_out), False
+            if error.min_feasible_bytes is None or not options.fit_compiles:
+                raise
+            plan, cached, infeasible = None, False, error
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        if applied is None:
+        if cached or not options.fit_compiles:
             applied = self._apply(traced, plan, abstract, state_out)
+        else:
+            plan, applied = self._fit(traced, build, plan, infeasible, abstract, state_out)
         if not cached:
-            plan, applied = self._fit(traced, build, plan, applied, abstract, state_out)
             self._store(traced, build, plan)
         log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
                  "cached" if cached else plan.status, time.perf_counter() - start)
@@ -212,56 +220,81 @@ class OptimizedStep:
         return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
                             self.options.donate, self.options.overlap)
 
-    def _closest(self, traced, build, error: solvers.InfeasibleBudgetError, abstract,
-                 state_out) -> tuple[Plan, CompiledPlan]:
-        """The compiler is the judge here too: when the model finds no plan under the budget,
-        compile the plan with the smallest predicted peak and run it if it fits (the model
-        over-predicts XLA's memory on some steps); else raise naming the bytes it needs."""
-        if error.min_feasible_bytes is None:
-            raise error
-        options = self.options
-        closest = solve_plan(build, error.min_feasible_bytes, options.solver,
-                             search_min_feasible=False, **options.solver_options())
-        applied = self._apply(traced, closest, abstract, state_out)
-        compiled_peak = applied.memory.peak_bytes
-        if compiled_peak > error.budget_bytes:
-            raise solvers.InfeasibleBudgetError(
-                error.solver, error.budget_bytes,
-                max(compiled_peak, error.min_feasible_bytes)) from error
-        log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
-                    "that plan compiles to %d B: running it", self.__name__, error.budget_bytes,
-                    error.min_feasible_bytes, compiled_peak)
-        plan = dataclasses.replace(closest, budget_bytes=error.budget_bytes,
-                                   solver_budget_bytes=error.min_feasible_bytes)
-        return plan, applied
+    def _fit(self, traced, build, first: Plan | None,
+             infeasible: solvers.InfeasibleBudgetError | None, abstract, state_out
+             ) -> tuple[Plan, CompiledPlan]:
+        """The compiler is the judge: search the solver's budget against the compiled step
+        (:func:`kiwi_jax.fit.fit_budget`, at most ``fit_compiles`` compiles) and keep the
+        fastest plan that fits once compiled. ``first``: the plan solved under the budget;
+        None with ``infeasible``, the model's error for the budget, when the search starts
+        from its smallest feasible one (the model over-predicts XLA's memory on some steps).
 
-    def _fit(self, traced, build, plan: Plan, applied: CompiledPlan, abstract,
-             state_out) -> tuple[Plan, CompiledPlan]:
-        """The compiler is the judge: while the compiled step is over the budget, solve again
-        with the budget lowered by the excess (at most ``FIT_ROUNDS`` times)."""
-        budget, target = plan.budget_bytes, plan.budget_bytes
-        for attempt in range(FIT_ROUNDS + 1):
-            compiled_peak = applied.memory.peak_bytes
-            if compiled_peak <= budget:
-                break
-            over = (f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, "
-                    f"over the {budget:,} B budget")
-            if attempt == FIT_ROUNDS:
-                warnings.warn(f"{over} after {FIT_ROUNDS} tighter solves; running it anyway "
-                              "(raise the budget to fit)", stacklevel=4)
-                break
-            target -= compiled_peak - budget
-            log.warning("%s; solving again under %d B", over, target)
+        Raises:
+          solvers.InfeasibleBudgetError: the model has no plan under the budget and none of
+            the plans above it compiles under it; names the bytes the smallest one needs.
+        """
+        options = self.options
+        budget = infeasible.budget_bytes if first is None else first.budget_bytes
+        applied: dict[str, CompiledPlan] = {}   # by plan fingerprint
+
+        def solve(solver_budget: int) -> Plan | None:
+            if first is not None and solver_budget == budget:
+                return first
             try:
-                tighter = solve_plan(build, target, self.options.solver,
-                                     search_min_feasible=False, **self.options.solver_options())
-            except solvers.InfeasibleBudgetError:
-                warnings.warn(f"{over}, and no plan fits a tighter solver budget; running the "
-                              "closest plan found (raise the budget to fit)", stacklevel=4)
-                break
-            plan = dataclasses.replace(tighter, budget_bytes=budget, solver_budget_bytes=target)
-            applied = self._apply(traced, plan, abstract, state_out)
-        return plan, applied
+                return solve_plan(build, solver_budget, options.solver,
+                                  search_min_feasible=False, **options.solver_options())
+            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+                log.info("%s: no plan under a solver budget of %d B (%s)", self.__name__,
+                         solver_budget, type(error).__name__)
+                return None
+
+        def compile_(plan: Plan) -> int:
+            applied[plan.fingerprint] = self._apply(traced, plan, abstract, state_out)
+            return applied[plan.fingerprint].memory.peak_bytes
+
+        floor = None if first is not None else infeasible.min_feasible_bytes \
+            if infeasible.lower_bound_bytes is None else infeasible.lower_bound_bytes
+        result = fit_budget(
+            budget, solve, compile_, key=lambda plan: plan.fingerprint,
+            unlimited=lambda: self._unlimited(build, budget),
+            start=None if first is not None else infeasible.min_feasible_bytes, floor=floor,
+            max_compiles=options.fit_compiles, step_tolerance=options.mip_gap)
+        record = result.record
+        if result.plan is None:                 # no plan at the smallest feasible budget
+            raise infeasible
+        compiled_peak = record.compiled_peak_bytes
+        if not record.fits and infeasible is not None:
+            raise solvers.InfeasibleBudgetError(
+                infeasible.solver, budget,
+                max(compiled_peak, infeasible.min_feasible_bytes)) from infeasible
+        if not record.fits:
+            more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) \
+                else ""
+            warnings.warn(
+                f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, over "
+                f"the {budget:,} B budget; the search of the solver's budget ({record.describe()})"
+                f" found no plan that fits; running the one that compiled smallest (raise the "
+                f"budget{more} to fit)", stacklevel=4)
+        elif infeasible is not None:
+            log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
+                        "a plan solved under %d B compiles to %d B: running it", self.__name__,
+                        budget, infeasible.min_feasible_bytes, record.solver_budget_bytes,
+                        compiled_peak)
+        log.info("%s: budget search: %s", self.__name__, record.describe())
+        solver_budget = record.solver_budget_bytes
+        plan = dataclasses.replace(
+            result.plan, budget_bytes=budget, fit=record,
+            solver_budget_bytes=None if solver_budget == budget else solver_budget)
+        return plan, applied[result.plan.fingerprint]
+
+    def _unlimited(self, build: ProblemBuild, budget: int) -> Plan:
+        """The solver's plan with no memory limit, solved with the same options (with
+        ``reuse_layers`` the tied program's optimum, which may be slower than the untied one):
+        no solver budget gives a faster plan of this solver."""
+        options = self.options
+        solution = solvers.solve(build.problem, None, solver=options.solver,
+                                 **options.solver_options())
+        return plan_from_solution(build, solution, budget)
 
     def _cache(self, traced: TracedStep, build: ProblemBuild):
         """``(cache, key)`` for this step's plan, or ``(None, None)`` without a cache."""
@@ -272,7 +305,8 @@ class OptimizedStep:
                             budget=options.memory_budget, cluster=build.cluster.name,
                             solver=options.solver, backend=options.backend,
                             reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
-                            memory_model=options.memory_model)
+                            memory_model=options.memory_model,
+                            fit_compiles=options.fit_compiles)
         return PlanCache(options.cache_dir or default_cache_dir()), key
 
     def _plan(self, traced: TracedStep, build: ProblemBuild) -> tuple[Plan, bool]:

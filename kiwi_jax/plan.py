@@ -18,6 +18,7 @@ import numpy as np
 
 from hlo_tools.graph import Phase
 from kiwi_jax.cluster import parse_bytes
+from kiwi_jax.fit import FitRecord
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.sharding import Comm, reshard_comms
 import solvers
@@ -62,8 +63,12 @@ class Plan:
     ideal_compute_seconds: float
     """Total FLOPs / (devices x peak FLOP/s)."""
     solver_budget_bytes: int | None = None
-    """Budget the solver was given when it differs from ``budget_bytes``: tightened after the
-    compiled step of a first plan came out over the budget (see ``kiwi_jax.optimize``)."""
+    """Budget the solver was given when it differs from ``budget_bytes``: the one the search
+    against the compiled step settled on (see ``fit``)."""
+    fit: FitRecord | None = None
+    """How ``kiwi_jax.optimize`` searched the solver's budget against the compiled step:
+    every plan compiled, the compiles spent, the final compiled/budget ratio (None: the plan
+    was not compiled by the decorator)."""
 
     # ------------------------------------------------------------ the solver's decisions
     @property
@@ -147,6 +152,7 @@ class Plan:
             "num_constraints": solution.num_constraints,
             "ideal_compute_seconds": self.ideal_compute_seconds,
             "fingerprint": self.fingerprint,
+            "fit": None if self.fit is None else self.fit.to_dict(),
         }
         if self.hidden_under is not None:
             out.update(overlapped_recompute_seconds=float(sim.overlapped_recompute_seconds),
@@ -162,6 +168,7 @@ class Plan:
             "cluster": self.cluster, "budget_bytes": int(self.budget_bytes),
             "ideal_compute_seconds": self.ideal_compute_seconds,
             "solver_budget_bytes": self.solver_budget_bytes,
+            "fit": None if self.fit is None else self.fit.to_dict(),
             "solution": {
                 **{f.name: getattr(solution, f.name) for f in dataclasses.fields(solution)
                    if f.name not in ("status", "strategy", "keep", "recompute_at",
@@ -205,7 +212,8 @@ class Plan:
             node_names=tuple(data["node_names"]), mesh_shape=tuple(data["mesh"]),
             cluster=data["cluster"], budget_bytes=data["budget_bytes"],
             ideal_compute_seconds=data["ideal_compute_seconds"],
-            solver_budget_bytes=data["solver_budget_bytes"])
+            solver_budget_bytes=data["solver_budget_bytes"],
+            fit=None if data.get("fit") is None else FitRecord.from_dict(data["fit"]))
 
 
 def _plain(value):

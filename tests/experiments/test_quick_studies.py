@@ -151,6 +151,10 @@ def test_remat_baselines_quick(results, capsys):
         rows["dots_saveable"]["compiled_peak_bytes"] < plain["compiled_peak_bytes"]
     kiwi = rows["kiwi@1"]
     assert kiwi["budget_bytes"] == budget and kiwi["operators"] > 0
+    # the search of the solver's budget: its record is the step that ran
+    assert printed["fit_compiles"] == 6 and 1 <= kiwi["fit_compiles_spent"] <= 6
+    assert kiwi["fit"]["compiles"] == kiwi["fit_compiles_spent"]
+    assert kiwi["fit_ratio"] == kiwi["compiled_peak_bytes"] / budget
 
 
 def test_cost_agreement_quick(results, capsys):

@@ -170,4 +170,23 @@ def test_the_decorator_the_cli_and_solve_share_the_solver_defaults(monkeypatch):
     assert (pipeline["backend"], pipeline["time_limit"]) == (defaults.backend, defaults.time_limit)
     assert parse(["plan", "--no-reuse-layers"])["reuse_layers"] is False
     assert parse(["verify", "--no-reuse-layers"])["reuse_layers"] is False
+    # the search against the compiled step: one default for the decorator and `verify`
+    assert verify["fit_compiles"] == fields["fit_compiles"] == keywords["fit_compiles"]
 
+
+
+def test_the_cli_and_the_decorator_give_the_same_plan(capsys, mesh24):
+    from kiwi_jax.optimize import optimize
+
+    config = dict(layers=2, batch=256, width=128)
+    argv = ["plan", "--model", "mlp", "--mesh", "2x4", "--budget", "90%", "--json"]
+    argv += [a for k, v in config.items() for a in (f"--{k}", str(v))]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = build("mlp", **config)
+    # the plan as solved (no search against the compiled step, which the CLI does not compile)
+    step = optimize(ref.train_step, mesh=mesh24, memory_budget="90%", cache_dir=False,
+                    fit_compiles=0)
+    plan = step.lower(*ref.abstract_init(), ref.abstract_batch()).plan
+    assert plan.summary()["budget_bytes"] == printed["budget_bytes"]
+    assert plan.fingerprint == printed["fingerprint"]
