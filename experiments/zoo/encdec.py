@@ -153,4 +153,4 @@ def make(layers=2, emb_dim=32, heads=4, mlp_dim=64, batch=8, seq=16, vocab=64, *
     keep = jnp.arange(seq) < seq - seq // 4
     inputs = jnp.where(keep, jax.random.randint(key_in, (batch, seq), 1, vocab), 0)
     targets = jnp.where(keep, jax.random.randint(key_out, (batch, seq), 1, vocab), 0)
-    return train_step, (create(key_init), {"inputs": inputs, "targets": targets})
+    return train_step, (jax.jit(create)(key_init), {"inputs": inputs, "targets": targets})

@@ -76,4 +76,4 @@ def make(layers=3, dim=32, heads=4, mlp_dim=128, batch=8, seq=16, vocab=64, *,
         return train_step, (state, {"tokens": tokens, "labels": tokens})
     key_init, key_text = jax.random.split(jax.random.key(seed))
     text = jax.random.randint(key_text, (batch, seq + 1), 0, vocab)
-    return train_step, (create(key_init), {"tokens": text[:, :-1], "labels": text[:, 1:]})
+    return train_step, (jax.jit(create)(key_init), {"tokens": text[:, :-1], "labels": text[:, 1:]})

@@ -116,6 +116,6 @@ def make(layers=3, dim=32, heads=4, kv_heads=2, batch=8, seq=16, vocab=64, *,
         model, optimizer = nnx.eval_shape(create)
         tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
         return train_step, (model, optimizer, {"tokens": tokens, "labels": tokens})
-    model, optimizer = create()
+    model, optimizer = nnx.jit(create)()
     text = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, vocab)
     return train_step, (model, optimizer, {"tokens": text[:, :-1], "labels": text[:, 1:]})

@@ -112,6 +112,6 @@ def make(stage_sizes=(2, 2), num_filters=16, batch=8, image_size=32, num_classes
         return train_step, (state, {"image": jax.ShapeDtypeStruct(shape, jnp.float32),
                                     "label": jax.ShapeDtypeStruct((batch,), jnp.int32)})
     key_init, key_x, key_y = jax.random.split(jax.random.key(seed), 3)
-    return train_step, (create(key_init), {
+    return train_step, (jax.jit(create)(key_init), {
         "image": jax.random.normal(key_x, shape),
         "label": jax.random.randint(key_y, (batch,), 0, num_classes)})

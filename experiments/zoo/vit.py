@@ -83,7 +83,7 @@ def make(depth=3, dim=32, heads=4, mlp_dim=64, batch=8, image_size=32, patch_siz
         return train_step, (model, optimizer, {
             "image": jax.ShapeDtypeStruct(shape, jnp.float32),
             "label": jax.ShapeDtypeStruct((batch,), jnp.int32)})
-    model, optimizer = create()
+    model, optimizer = nnx.jit(create)()
     key_x, key_y = jax.random.split(jax.random.key(seed + 1))
     return train_step, (model, optimizer, {
         "image": jax.random.normal(key_x, shape),
