@@ -17,6 +17,7 @@ with no memory limit (the reference plan), ``"80%"`` four fifths of it.
 
 Usage: python -m experiments.zoo_study [--json] [--quick] [--models llama vit ...]
        [--meshes 1x1 1x8 2x4 4x2] [--budgets 100% 80%] [--time-limit 60] [--name zoo]
+       python -m experiments.zoo_study --table results/zoo.json    # its markdown tables
 Writes results/<NAME>.json after every cell (NAME defaults to ``zoo``) and prints the JSON as
 the last line with ``--json``.
 """
@@ -30,7 +31,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -194,6 +197,46 @@ def run(models, meshes, budgets, sizes: dict, time_limit: float, name: str, quic
     return result
 
 
+def markdown(result: dict) -> str:
+    """The study's tables in markdown: the models that do not lower (once each), then one row
+    per planned cell (or its failure)."""
+    mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
+    lines = ["| model | lowers | layers found | graph nodes | in layers |",
+             "| --- | --- | --- | --- | --- |"]
+    for t in result["traced"]:
+        if t["lowers"]:
+            lines.append(f"| {t['model']} | yes | {t['layers_found']} | {t['graph_nodes']} | "
+                         f"{t['fraction_in_layers']:.0%} |")
+        else:
+            lines.append(f"| {t['model']} | no: `{t['error']['type']}`: "
+                         f"{t['error']['message']} | | | |")
+    lines += ["", "| model | mesh | budget | layers | nodes (merged) | strategies | plan s | "
+              "status | predicted MiB | compiled MiB | compiled / budget | fits | "
+              "solver budget / budget | state diff (3 steps) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+              "| --- |"]
+    lowers = {t["model"] for t in result["traced"] if t["lowers"]}
+    for r in result["rows"]:
+        if r["model"] not in lowers:
+            continue
+        where = f"| {r['model']} | {r['mesh']} | {r['budget']} |"
+        if not r.get("planned"):
+            lines.append(f"{where} failed: `{r['error']['type']}`: {r['error']['message']} "
+                         "| | | | | | | | | | |")
+            continue
+        numerics = r.get("numerics") or {}
+        diff = (f"{numerics['max_param_rel_diff']:.1e}" if numerics
+                else f"failed: `{r['error']['type']}`")
+        solver_budget = (r["solver_budget_bytes"] or r["budget_bytes"]) / r["budget_bytes"]
+        lines.append(
+            f"{where} {r['layers']} | {r['nodes']} ({r['nodes_after_merge']}) | "
+            f"{r['strategy_variables']} | {r['plan_seconds']:.1f} | {r['status']} | "
+            f"{mib(r['predicted_peak_bytes'])} | {mib(r['compiled_peak_bytes'])} | "
+            f"{r['compiled_over_budget']:.3f} | {'yes' if r['fits'] else 'no'} | "
+            f"{solver_budget:.3f} | {diff} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(zoo.MODELS), choices=zoo.MODELS)
@@ -206,7 +249,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true",
                         help="a one-layer Llama of width 16 on 2x4 at 1.5 x the reference budget")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--table", metavar="JSON",
+                        help="print the markdown tables of a result file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        result = json.loads(pathlib.Path(args.table).read_text())
+        print(markdown(result))
+        return result
     logging.basicConfig(level=logging.ERROR)
     if args.quick:
         return run(QUICK["models"], QUICK["meshes"], QUICK["budgets"], QUICK["sizes"],
