@@ -133,3 +133,17 @@ def test_zoo_study_quick(tmp_path, monkeypatch, capsys):
     assert row["numerics"]["steps"] == 3
     assert row["numerics"]["max_param_rel_diff"] < 1e-4
     assert row["numerics"]["max_loss_rel_diff"] < 1e-4
+
+
+def test_a_failure_is_a_row_with_its_stage_type_and_first_line(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no plan for this step\nsecond line")
+
+    monkeypatch.setattr(zoo_study, "trace", refuse)
+    monkeypatch.setattr(zoo_study.kiwi_jax, "optimize", refuse)
+    traced = zoo_study.traced_row("llama", TINY["llama"])
+    row = zoo_study.cell("llama", TINY["llama"], "2x4", "80%", time_limit=1.0)
+    assert not traced["lowers"] and not row["planned"]
+    error = {"type": "NotImplementedError", "message": "no plan for this step"}
+    assert traced["error"] == {"stage": "trace", **error}
+    assert row["error"] == {"stage": "plan", **error}
