@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 
 import solvers
+from experiments.zoo.llama import Llama
+from experiments.zoo.llama import make as llama
 from hlo_tools.graph import Phase, _layer_of
 from hlo_tools.layers import layer_report, path_components
 from kiwi_jax.frontend import problem_for_step, trace
 from kiwi_jax.models import build
 from solvers.heuristics import attention_core, keep_megatron
 from solvers.joint import build_joint
-from user_models import CompactNet, Llama, llama, linen
+from user_models import CompactNet, linen
 
 MODELS = {
-    "nnx-llama": (lambda layers: llama(n_layers=layers), r"\['layers'\]\[(\d+)\]"),
+    "nnx-llama": (lambda layers: llama(layers=layers), r"\['layers'\]\[(\d+)\]"),
     "linen-setup-list": (lambda layers: linen(n_layers=layers), r"layers_(\d+)"),
     "linen-compact": (lambda layers: linen(CompactNet, n_layers=layers), r"MixerBlock_(\d+)"),
 }
@@ -65,7 +67,7 @@ def test_linen_layers_are_its_module_scopes(which):
 
 
 def test_nnx_layers_are_the_named_scopes_a_planner_user_would_add(monkeypatch):
-    plain = trace(*_unpack(llama(n_layers=3))).graph
+    plain = trace(*_unpack(llama(layers=3))).graph
 
     def scoped(self, tokens):
         positions = jnp.arange(tokens.shape[1])
@@ -76,7 +78,7 @@ def test_nnx_layers_are_the_named_scopes_a_planner_user_would_add(monkeypatch):
         return self.output(self.norm(x))
 
     monkeypatch.setattr(Llama, "__call__", scoped)
-    with_scopes = trace(*_unpack(llama(n_layers=3))).graph
+    with_scopes = trace(*_unpack(llama(layers=3))).graph
     assert [n.opcode for n in plain.nodes] == [n.opcode for n in with_scopes.nodes]
     compared = 0
     for a, b in zip(plain.nodes, with_scopes.nodes):
@@ -87,7 +89,7 @@ def test_nnx_layers_are_the_named_scopes_a_planner_user_would_add(monkeypatch):
 
 
 def test_optimizer_state_and_updates_follow_their_weights():
-    graph = trace(*_unpack(llama(n_layers=2))).graph
+    graph = trace(*_unpack(llama(layers=2))).graph
     for p in graph.parameters:
         node = graph.nodes[p]
         path = path_components(node.op_name)
@@ -133,12 +135,12 @@ def test_the_tied_program_is_smaller_and_solves(linen2):
 
 
 def test_an_nnx_model_with_one_block_has_no_layers():
-    graph = trace(*_unpack(llama(n_layers=1))).graph
+    graph = trace(*_unpack(llama(layers=1))).graph
     assert {n.layer for n in graph.nodes} == {-1}
 
 
 def test_alpa_megatron_finds_the_attention_core_without_scopes():
-    build, _ = problem_for_step(*_unpack(llama(n_layers=2)), mesh="2x4")
+    build, _ = problem_for_step(*_unpack(llama(layers=2)), mesh="2x4")
     problem = build.problem
     core = attention_core(problem)
     for layer in (0, 1):

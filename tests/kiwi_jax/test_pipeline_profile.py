@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from experiments.zoo.llama import make as llama
 from kiwi_jax.cli import main
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.pipeline import model_profile, problem_profile
 from solvers.pipeline import partition
-from user_models import llama
 
 TINY = {"hidden": 32, "heads": 2, "seq": 16, "vocab": 64}
 
@@ -66,7 +66,7 @@ def test_cli_plan_lynx_heu_reports_overlapped_and_on_demand_recomputation(capsys
 
 
 def test_a_user_model_without_scopes_profiles_from_its_found_layers():
-    step, args = llama(n_layers=2)
+    step, args = llama(layers=2)
     built, _ = problem_for_step(step, *args, mesh="1x2", cluster="a100-nvlink")
     profile = problem_profile(built.problem, layers=6, cluster="a100-nvlink", micro_batch=8)
     # a decoder layer: wq, wo (h x h), wk, wv (h x h/2), w1, w3, w2 (h x 4h), two norms;
@@ -82,7 +82,7 @@ def test_a_user_model_without_scopes_profiles_from_its_found_layers():
 
 
 def test_profiling_a_step_without_repeated_layers_says_what_it_needs():
-    step, args = llama(n_layers=1)
+    step, args = llama(layers=1)
     built, _ = problem_for_step(step, *args, mesh="1x2")
     with pytest.raises(ValueError, match="at least two repeated layers, found 0.*layers_i"):
         problem_profile(built.problem, layers=6)
