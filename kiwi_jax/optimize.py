@@ -20,6 +20,10 @@ NamedShardings) and compiles it; later calls with the same shapes run the compil
 shapes plan again. The train state (first argument) is donated, as ``nnx.Optimizer`` updates
 imply: its updated value keeps the sharding of the input, so the next step reads it in place.
 
+Under ``jax.distributed`` (several processes, one global mesh) process 0 plans and the others
+receive its plan; every process checks that all run the same plan before the first step (see
+:mod:`kiwi_jax.multihost`).
+
 References:
   KIWI (Liu et al.), sec. 3: the joint program whose plan this applies.
 """
@@ -41,6 +45,7 @@ from kiwi_jax.apply import TracedStep, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
+from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import Plan, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
@@ -94,6 +99,14 @@ class Options:
     """How values are charged memory: ``auto`` (values fused into their readers hold none on
     one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
     :data:`kiwi_jax.problem.MEMORY_MODELS`."""
+    share_plan: bool = True
+    """Several processes (``jax.distributed``): process 0 plans and the others receive its plan
+    (False: every process plans on its own, from its cache or its own solve; the plans are
+    still compared before the first step and must agree)."""
+    sync_timeout: float = 300.0
+    """Several processes: seconds a process waits for another's plan fingerprint, and for
+    process 0's plan beyond process 0's worst-case solving time (``(FIT_ROUNDS + 2) *
+    time_limit``); past it the step raises naming the process that did not answer."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -104,7 +117,7 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
              solver=SOLVER_DEFAULTS.solver, backend=SOLVER_DEFAULTS.backend,
              time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
              reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
-             overlap=True, memory_model="auto"):
+             overlap=True, memory_model="auto", share_plan=True, sync_timeout=300.0):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
@@ -121,7 +134,8 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
     Cluster.parse(cluster)
     check_memory_model(memory_model)
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate, overlap, memory_model)
+                      reuse_layers, cache_dir, donate, overlap, memory_model, share_plan,
+                      sync_timeout)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -154,7 +168,7 @@ class OptimizedStep:
                             f"(got keywords {sorted(kwargs)})")
         pure = functionalize(self.train_step, args)
         prepared = self.prepare(pure)
-        placed = jax.device_put(pure.args, prepared.in_shardings)
+        placed = place(pure.args, prepared.in_shardings)
         outputs = prepared.compiled(*placed)
         if pure.style == "nnx":
             result, state = outputs
@@ -175,6 +189,22 @@ class OptimizedStep:
         return self.prepare(functionalize(self.train_step, args))
 
     def _prepare(self, pure: PureStep) -> Prepared:
+        processes = exchange(self.options.sync_timeout)
+        try:
+            prepared, key = self._prepare_here(pure, processes)
+        except BaseException as error:    # the other processes must not wait for this one
+            if processes is not None:
+                processes.abandon(f"{type(error).__name__}: {error}", self.options.share_plan)
+            raise
+        if processes is not None:         # the last thing before the first step
+            processes.check(key, None if prepared is None else prepared.plan.fingerprint)
+        return prepared
+
+    def _prepare_here(self, pure: PureStep,
+                      processes: Exchange | None) -> tuple[Prepared | None, str]:
+        """This process's part: trace, then plan (or receive process 0's plan), apply and
+        compile; and the key of what was planned for. None instead of the Prepared: process
+        0's plan is for another graph (the check then raises in every process)."""
         options = self.options
         abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
@@ -188,7 +218,30 @@ class OptimizedStep:
                 "inside it); for a forward-only function use jax.jit")
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
                               memory_model=options.memory_model)
+        key = self._key(traced, build)
         state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        receives = processes is not None and options.share_plan and not processes.is_planner
+        if receives:
+            plan, cached = self._received(processes, traced, build), False
+            if plan is None:
+                return None, key
+            plan_seconds, start = time.perf_counter() - start, time.perf_counter()
+            applied = self._apply(traced, plan, abstract, state_out)
+        else:
+            plan, applied, cached, plan_seconds, start = self._planned(
+                traced, build, abstract, state_out, start)
+            if processes is not None and options.share_plan:
+                processes.publish_plan(plan.to_json())
+        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
+                 "received" if receives else "cached" if cached else plan.status,
+                 time.perf_counter() - start)
+        return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
+                        compile_seconds=time.perf_counter() - start, cached=cached,
+                        received=receives), key
+
+    def _planned(self, traced, build, abstract, state_out, start):
+        """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
+        with the planning and compiling times' split."""
         try:
             (plan, cached), applied = self._plan(traced, build), None
         except solvers.InfeasibleBudgetError as error:
@@ -200,10 +253,21 @@ class OptimizedStep:
         if not cached:
             plan, applied = self._fit(traced, build, plan, applied, abstract, state_out)
             self._store(traced, build, plan)
-        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
-                 "cached" if cached else plan.status, time.perf_counter() - start)
-        return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
-                        compile_seconds=time.perf_counter() - start, cached=cached)
+        return plan, applied, cached, plan_seconds, start
+
+    def _received(self, processes: Exchange, traced: TracedStep,
+                  build: ProblemBuild) -> Plan | None:
+        """A receiving process: process 0's plan (kept in this process's cache too); None when
+        it is for another graph."""
+        options = self.options
+        plan = Plan.from_json(processes.receive_plan(
+            options.sync_timeout + (FIT_ROUNDS + 2) * options.time_limit))
+        if plan.node_names != tuple(build.problem.names):
+            log.error("%s: process 0's plan is for another graph (%d operators, here %d)",
+                      self.__name__, len(plan.node_names), len(build.problem.names))
+            return None
+        self._store(traced, build, plan)
+        return plan
 
     def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep,
                state_out: int | None) -> CompiledPlan:
@@ -263,17 +327,22 @@ class OptimizedStep:
             applied = self._apply(traced, plan, abstract, state_out)
         return plan, applied
 
+    def _key(self, traced: TracedStep, build: ProblemBuild) -> str:
+        """What this step's plan depends on, hashed: the step's HLO, the mesh, the budget, the
+        cluster and the solver options (the plan cache's key)."""
+        options = self.options
+        return PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
+                             budget=options.memory_budget, cluster=build.cluster.name,
+                             solver=options.solver, backend=options.backend,
+                             reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
+                             memory_model=options.memory_model)
+
     def _cache(self, traced: TracedStep, build: ProblemBuild):
         """``(cache, key)`` for this step's plan, or ``(None, None)`` without a cache."""
         options = self.options
         if options.cache_dir is False:
             return None, None
-        key = PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
-                            budget=options.memory_budget, cluster=build.cluster.name,
-                            solver=options.solver, backend=options.backend,
-                            reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
-                            memory_model=options.memory_model)
-        return PlanCache(options.cache_dir or default_cache_dir()), key
+        return PlanCache(options.cache_dir or default_cache_dir()), self._key(traced, build)
 
     def _plan(self, traced: TracedStep, build: ProblemBuild) -> tuple[Plan, bool]:
         """The cached plan, or a new one; and whether it came from the cache."""
