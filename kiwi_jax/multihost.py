@@ -48,7 +48,6 @@ class PlanMismatchError(RuntimeError):
         self.records = dict(records)
         rows = "; ".join(f"process {p}: plan {r.get('plan') or '(none)'} for "
                          f"{r.get('key')}" for p, r in sorted(self.records.items()))
-        plans = {r.get("plan") for r in self.records.values()}
         keys = {r.get("key") for r in self.records.values()}
         cause = ("they planned for different steps or options (step HLO, mesh, budget, solver "
                  "options): run the same program with the same arguments and options in every "
@@ -56,8 +55,8 @@ class PlanMismatchError(RuntimeError):
                  "they planned the same step separately and their solves ended at different "
                  "plans: leave share_plan=True (process 0 plans, the others receive its plan) "
                  "or give every process the same plan cache")
-        super().__init__(f"the {len(self.records)} processes would run {len(plans)} different "
-                         f"plans ({rows}); {cause}")
+        super().__init__(f"the {len(self.records)} processes are not on one plan ({rows}); "
+                         f"{cause}")
 
 
 class PlanExchangeError(RuntimeError):

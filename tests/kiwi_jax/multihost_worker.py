@@ -56,7 +56,13 @@ def main() -> int:
         losses, step_seconds = [], []
         for _ in range(config["steps"]):
             t = time.perf_counter()
-            loss = step(*args)
+            try:
+                loss = step(*args)
+            except (kiwi_jax.PlanMismatchError, kiwi_jax.PlanExchangeError) as error:
+                out["error"] = {"type": type(error).__name__, "message": str(error),
+                                "seconds": time.perf_counter() - t0}
+                _write(config, out)
+                return 1
             losses.append(float(to_host(loss)))
             step_seconds.append(time.perf_counter() - t)
         state = jax.tree.leaves(kiwi_jax.step.functionalize(train_step, args).args[0])
@@ -69,10 +75,14 @@ def main() -> int:
             "first_step_seconds": step_seconds[0], "step_seconds": step_seconds,
             "total_seconds": time.perf_counter() - t0}
     out["total_seconds"] = time.perf_counter() - start
-    with open(config["out"], "w") as f:
-        json.dump(out, f)
+    _write(config, out)
     jax.distributed.shutdown()
     return 0
+
+
+def _write(config, out):
+    with open(config["out"], "w") as f:
+        json.dump(out, f)
 
 
 if __name__ == "__main__":
