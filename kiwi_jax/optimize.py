@@ -312,7 +312,7 @@ class OptimizedStep:
                     f"over the {budget:,} B budget")
             if attempt == FIT_ROUNDS:
                 warnings.warn(f"{over} after {FIT_ROUNDS} tighter solves; running it anyway "
-                              "(raise the budget to fit)", stacklevel=4)
+                              "(raise the budget to fit)", stacklevel=6)
                 break
             target -= compiled_peak - budget
             log.warning("%s; solving again under %d B", over, target)
@@ -321,7 +321,7 @@ class OptimizedStep:
                                      search_min_feasible=False, **self.options.solver_options())
             except solvers.InfeasibleBudgetError:
                 warnings.warn(f"{over}, and no plan fits a tighter solver budget; running the "
-                              "closest plan found (raise the budget to fit)", stacklevel=4)
+                              "closest plan found (raise the budget to fit)", stacklevel=6)
                 break
             plan = dataclasses.replace(tighter, budget_bytes=budget, solver_budget_bytes=target)
             applied = self._apply(traced, plan, abstract, state_out)
