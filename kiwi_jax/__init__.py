@@ -3,13 +3,15 @@
 The user API: the :func:`optimize` decorator, the :class:`Plan` it runs and the
 :class:`VerifyReport` that checks it against the compiled step (with :func:`compiled_cost`, the
 compiled step priced like the plan); :func:`problem_for_step` and
-:func:`build_problem` for the costed problem itself; the errors a plan can raise.
+:func:`build_problem` for the costed problem itself; the errors a plan can raise (with
+:class:`PlanMismatchError` and :class:`PlanExchangeError` of multi-process runs).
 """
 
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.frontend import problem_for_step
+from kiwi_jax.multihost import PlanExchangeError, PlanMismatchError
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep, Options, optimize
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild, build_problem
@@ -23,5 +25,5 @@ __all__ = [
     "CompiledCost", "compiled_cost",
     "Cluster", "MeshSpec", "parse_bytes", "problem_for_step", "build_problem", "ProblemBuild",
     "SolverOptions", "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
-    "SolverTimeoutError", "SolverUnavailableError",
+    "SolverTimeoutError", "SolverUnavailableError", "PlanMismatchError", "PlanExchangeError",
 ]

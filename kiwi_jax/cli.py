@@ -191,6 +191,20 @@ def _cmd_pipeline(args) -> dict:
     return out
 
 
+def _initialize_distributed(args) -> None:
+    """Join a multi-process run (``--coordinator``): CPU collectives through gloo, this
+    process's devices, then ``jax.distributed.initialize``."""
+    if args.coordinator is None:
+        return
+    import jax
+
+    if args.process_id is None or args.num_processes is None:
+        raise UsageError("--coordinator needs --num-processes and --process-id")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
 def _cmd_verify(args) -> dict:
     import jax
 
@@ -202,6 +216,7 @@ def _cmd_verify(args) -> dict:
 
     ref = _reference(args)
     shape = MeshSpec.parse(args.mesh).shape
+    _initialize_distributed(args)
     if jax.device_count() < shape[0] * shape[1]:
         raise UsageError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
                          f"{jax.device_count()}; on CPU set XLA_FLAGS="
@@ -215,7 +230,8 @@ def _cmd_verify(args) -> dict:
                     memory_model=args.memory_model, fit_compiles=args.fit_compiles)
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
-           "cluster": args.cluster}
+           "cluster": args.cluster, "process_id": jax.process_index(),
+           "process_count": jax.process_count()}
     start = time.perf_counter()
     try:
         report = step.verify(*concrete, steps=args.steps)
@@ -230,7 +246,8 @@ def _cmd_verify(args) -> dict:
     out.update(prepared.plan.summary(), **report.to_dict(), feasible=True,
                plain_compiled_peak_bytes=plain, plain_fits=plain <= report.budget_bytes,
                plan_seconds=prepared.plan_seconds, compile_seconds=prepared.compile_seconds,
-               plan_cached=prepared.cached, verify_seconds=time.perf_counter() - start)
+               plan_cached=prepared.cached, plan_received=prepared.received,
+               verify_seconds=time.perf_counter() - start)
     plan = prepared.plan
     print(f"{args.solver} plan for {args.model} on a {args.mesh} mesh ({args.cluster}): "
           f"{plan.status}, {len(plan.recomputed)} forward values recomputed, predicted step "
@@ -324,11 +341,22 @@ def main(argv=None) -> int:
     verify.add_argument("--cache-dir", default=None, help="plan cache (default "
                         "$KIWI_JAX_CACHE_DIR or ~/.cache/kiwi-jax)")
     verify.add_argument("--no-cache", action="store_true", help="always solve")
+    verify.add_argument("--coordinator", default=None, help="several processes: "
+                        "jax.distributed's coordinator address (host:port of process 0); "
+                        "process 0 plans and the others receive its plan (docs/multi_host.md)")
+    verify.add_argument("--num-processes", type=int, default=None,
+                        help="with --coordinator: how many processes")
+    verify.add_argument("--process-id", type=int, default=None,
+                        help="with --coordinator: this process's index (0 plans)")
+    verify.add_argument("--local-devices", type=int, default=None,
+                        help="simulated CPU devices of this process (default 8; with several "
+                        "processes, mesh devices / processes)")
     verify.set_defaults(run=_cmd_verify)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    local = getattr(args, "local_devices", None) or 8
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={local}")
     try:
         _check_args(args)
         result = args.run(args)

@@ -93,6 +93,8 @@ class Prepared:
     """Applying and compiling wall time (every compile of the fitting rounds)."""
     cached: bool
     """The plan came from the disk cache."""
+    received: bool = False
+    """The plan came from process 0 (a multi-process run; see :mod:`kiwi_jax.multihost`)."""
 
     @property
     def in_shardings(self) -> tuple:

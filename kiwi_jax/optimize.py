@@ -20,6 +20,10 @@ NamedShardings) and compiles it; later calls with the same shapes run the compil
 shapes plan again. The train state (first argument) is donated, as ``nnx.Optimizer`` updates
 imply: its updated value keeps the sharding of the input, so the next step reads it in place.
 
+Under ``jax.distributed`` (several processes, one global mesh) process 0 plans and the others
+receive its plan; every process checks that all run the same plan before the first step (see
+:mod:`kiwi_jax.multihost`).
+
 References:
   KIWI (Liu et al.), sec. 3: the joint program whose plan this applies.
 """
@@ -42,6 +46,7 @@ from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
+from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import Plan, plan_from_solution, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, carried_state, functionalize
@@ -96,6 +101,16 @@ class Options:
     (:mod:`kiwi_jax.fit`): until it fits the budget and uses at least 97% of it, or more
     memory cannot make it faster. 0: no search; the plan solved under the budget runs as
     compiled, and a budget the model finds no plan under is an error."""
+    share_plan: bool = True
+    """Several processes (``jax.distributed``): process 0 plans and the others receive its plan
+    (False: every process plans on its own, from its cache or its own solve; the plans are
+    still compared before the first step and must agree)."""
+    sync_timeout: float = 300.0
+    """Several processes: seconds a process waits for another's plan fingerprint, and for
+    process 0's plan beyond process 0's worst-case solving time (``(fit_compiles + 5) *
+    time_limit``: the reference plan, the first solve, the search's ``fit_compiles + 2``
+    solves and the plan with no memory limit); past it the step raises naming the process
+    that did not answer."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -106,7 +121,8 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
              solver=SOLVER_DEFAULTS.solver, backend=SOLVER_DEFAULTS.backend,
              time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
              reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
-             overlap=True, memory_model="auto", fit_compiles=FIT_COMPILES):
+             overlap=True, memory_model="auto", fit_compiles=FIT_COMPILES, share_plan=True,
+             sync_timeout=300.0):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
@@ -126,7 +142,8 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
         raise ValueError(f"fit_compiles: expected a count of compiles >= 0 (0: no search), "
                          f"got {fit_compiles!r}")
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate, overlap, memory_model, fit_compiles)
+                      reuse_layers, cache_dir, donate, overlap, memory_model, fit_compiles,
+                      share_plan, sync_timeout)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -159,7 +176,7 @@ class OptimizedStep:
                             f"(got keywords {sorted(kwargs)})")
         pure = functionalize(self.train_step, args)
         prepared = self.prepare(pure)
-        placed = jax.device_put(pure.args, prepared.in_shardings)
+        placed = place(pure.args, prepared.in_shardings)
         outputs = prepared.compiled(*placed)
         if pure.style == "nnx":
             result, state = outputs
@@ -180,6 +197,22 @@ class OptimizedStep:
         return self.prepare(functionalize(self.train_step, args))
 
     def _prepare(self, pure: PureStep) -> Prepared:
+        processes = exchange(self.options.sync_timeout)
+        try:
+            prepared, key = self._prepare_here(pure, processes)
+        except BaseException as error:    # the other processes must not wait for this one
+            if processes is not None:
+                processes.abandon(f"{type(error).__name__}: {error}", self.options.share_plan)
+            raise
+        if processes is not None:         # the last thing before the first step
+            processes.check(key, None if prepared is None else prepared.plan.fingerprint)
+        return prepared
+
+    def _prepare_here(self, pure: PureStep,
+                      processes: Exchange | None) -> tuple[Prepared | None, str]:
+        """This process's part: trace, then plan (or receive process 0's plan), apply and
+        compile; and the key of what was planned for. None instead of the Prepared: process
+        0's plan is for another graph (the check then raises in every process)."""
         options = self.options
         abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
@@ -193,7 +226,31 @@ class OptimizedStep:
                 "inside it); for a forward-only function use jax.jit")
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
                               memory_model=options.memory_model)
+        key = self._key(traced, build)
         state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        receives = processes is not None and options.share_plan and not processes.is_planner
+        if receives:
+            plan, cached = self._received(processes, traced, build), False
+            if plan is None:
+                return None, key
+            plan_seconds, start = time.perf_counter() - start, time.perf_counter()
+            applied = self._apply(traced, plan, abstract, state_out)
+        else:
+            plan, applied, cached, plan_seconds, start = self._planned(
+                traced, build, abstract, state_out, start)
+            if processes is not None and options.share_plan:
+                processes.publish_plan(plan.to_json())
+        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
+                 "received" if receives else "cached" if cached else plan.status,
+                 time.perf_counter() - start)
+        return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
+                        compile_seconds=time.perf_counter() - start, cached=cached,
+                        received=receives), key
+
+    def _planned(self, traced, build, abstract, state_out, start):
+        """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
+        with the planning and compiling times' split."""
+        options = self.options
         try:
             (plan, cached), infeasible = self._plan(traced, build), None
         except solvers.InfeasibleBudgetError as error:
@@ -208,10 +265,21 @@ class OptimizedStep:
             plan, applied = self._fit(traced, build, plan, infeasible, abstract, state_out)
         if not cached:
             self._store(traced, build, plan)
-        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
-                 "cached" if cached else plan.status, time.perf_counter() - start)
-        return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
-                        compile_seconds=time.perf_counter() - start, cached=cached)
+        return plan, applied, cached, plan_seconds, start
+
+    def _received(self, processes: Exchange, traced: TracedStep,
+                  build: ProblemBuild) -> Plan | None:
+        """A receiving process: process 0's plan (kept in this process's cache too); None when
+        it is for another graph."""
+        options = self.options
+        plan = Plan.from_json(processes.receive_plan(
+            options.sync_timeout + (options.fit_compiles + 5) * options.time_limit))
+        if plan.node_names != tuple(build.problem.names):
+            log.error("%s: process 0's plan is for another graph (%d operators, here %d)",
+                      self.__name__, len(plan.node_names), len(build.problem.names))
+            return None
+        self._store(traced, build, plan)
+        return plan
 
     def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep,
                state_out: int | None) -> CompiledPlan:
@@ -274,7 +342,7 @@ class OptimizedStep:
                 f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, over "
                 f"the {budget:,} B budget; the search of the solver's budget ({record.describe()})"
                 f" found no plan that fits; running the one that compiled smallest (raise the "
-                f"budget{more} to fit)", stacklevel=4)
+                f"budget{more} to fit)", stacklevel=6)
         elif infeasible is not None:
             log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
                         "a plan solved under %d B compiles to %d B: running it", self.__name__,
@@ -296,18 +364,23 @@ class OptimizedStep:
                                  **options.solver_options())
         return plan_from_solution(build, solution, budget)
 
+    def _key(self, traced: TracedStep, build: ProblemBuild) -> str:
+        """What this step's plan depends on, hashed: the step's HLO, the mesh, the budget, the
+        cluster and the solver options (the plan cache's key)."""
+        options = self.options
+        return PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
+                             budget=options.memory_budget, cluster=build.cluster.name,
+                             solver=options.solver, backend=options.backend,
+                             reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
+                             memory_model=options.memory_model,
+                             fit_compiles=options.fit_compiles)
+
     def _cache(self, traced: TracedStep, build: ProblemBuild):
         """``(cache, key)`` for this step's plan, or ``(None, None)`` without a cache."""
         options = self.options
         if options.cache_dir is False:
             return None, None
-        key = PlanCache.key(hlo=traced.fingerprint, mesh=build.mesh.shape,
-                            budget=options.memory_budget, cluster=build.cluster.name,
-                            solver=options.solver, backend=options.backend,
-                            reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
-                            memory_model=options.memory_model,
-                            fit_compiles=options.fit_compiles)
-        return PlanCache(options.cache_dir or default_cache_dir()), key
+        return PlanCache(options.cache_dir or default_cache_dir()), self._key(traced, build)
 
     def _plan(self, traced: TracedStep, build: ProblemBuild) -> tuple[Plan, bool]:
         """The cached plan, or a new one; and whether it came from the cache."""

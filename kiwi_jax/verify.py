@@ -25,6 +25,7 @@ from hlo_tools.graph import Phase
 from kiwi_jax.compile import Prepared, compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
+from kiwi_jax.multihost import place, to_host
 from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 from solvers.simulator import live_bytes, simulate
@@ -321,9 +322,10 @@ def _run(step, args, steps: int, state_out):
 def compare_numerics(prepared: Prepared, pure, steps: int) -> tuple[float, float]:
     """(state, loss/metrics) max relative differences of the applied vs the plain step."""
     plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
-    placed = jax.device_put(_copy(pure.args), prepared.in_shardings)
+    placed = place(_copy(pure.args), prepared.in_shardings)
     opt_state, opt_out = _run(prepared.compiled, placed, steps, prepared.state_out)
-    return max_rel_diff(opt_state, plain_state), max_rel_diff(opt_out, plain_out)
+    return (max_rel_diff(to_host(opt_state), plain_state),
+            max_rel_diff(to_host(opt_out), plain_out))
 
 
 def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
