@@ -162,9 +162,10 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         if result.x is None:
             if result.status == Status.TIMEOUT_NO_INCUMBENT:
                 raise SolverTimeoutError(
-                    f"{solver}: no plan found within {time_limit:.0f} s "
-                    f"({joint.model.num_vars} variables); raise time_limit or the budget, or "
-                    "pass reuse_layers=True")
+                    f"{solver}: no plan found within the time limit ({joint.model.num_vars} "
+                    f"variables; the final solve had the {time_limit:.0f} s the warm-start "
+                    f"stages left); raise time_limit or the budget"
+                    + _tie_advice(problem, solver, reuse_layers))
             raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
         strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
         peak = sim.peak_bytes
@@ -187,6 +188,15 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
         budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
         peak_bytes=peak, claimed_peak_bytes=joint.claimed_peak(result.x))
+
+
+def _tie_advice(problem: ShardingProblem, solver: str, reuse_layers: bool) -> str:
+    """What layer ties can still do for a solve that ran out of time, as advice that is true."""
+    if solver == "kiwi-full":
+        return " (kiwi-full plans every operator on its own; kiwi ties repeated layers)"
+    if not has_ties(problem.ties):
+        return " (no repeated layers were found to tie, so reuse_layers changes nothing here)"
+    return "" if reuse_layers else ", or pass reuse_layers=True"
 
 
 def _warm_start(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:

@@ -14,7 +14,7 @@ from solvers import InfeasibleBudgetError, Status, simulate, solve
 from solvers.backend import MilpResult, Model
 from solvers.linexpr import const
 from solvers.phase import Phase
-from solver_graphs import chain_problem, make_problem, random_problem
+from solver_graphs import chain_problem, layered_problem, make_problem, random_problem
 
 
 def check_claims(problem, solution, budget=None):
@@ -207,8 +207,18 @@ def test_time_limit_statuses(monkeypatch):
     nothing = MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"), 1.0)
     with monkeypatch.context() as patched:
         patched.setattr(Model, "solve", lambda self, *args, **kwargs: nothing)
-        with pytest.raises(solvers.SolverTimeoutError, match="no plan found within"):
+        with pytest.raises(solvers.SolverTimeoutError, match="no plan found within") as error:
             solve(p, budget, solver="kiwi-full", time_limit=1e-3, warm_start=None)
+        assert "kiwi ties repeated layers" in str(error.value)        # advice that is true
+        with pytest.raises(solvers.SolverTimeoutError, match="no repeated layers were found"):
+            solve(p, budget, solver="kiwi", time_limit=1e-3, warm_start=None)
+        layered = layered_problem(4)
+        for reuse, advice in ((True, None), (False, ", or pass reuse_layers=True")):
+            with pytest.raises(solvers.SolverTimeoutError) as error:
+                solve(layered, None, solver="kiwi", time_limit=1e-3, warm_start=None,
+                      reuse_layers=reuse)
+            assert (advice in str(error.value)) if advice else \
+                "reuse_layers" not in str(error.value)          # already on: not advised
     rushed = solve(p, budget, solver="kiwi", time_limit=0.05)      # the warm start fits
     assert rushed.status in (Status.OPTIMAL, Status.TIMEOUT_WITH_INCUMBENT, Status.FEASIBLE)
     check_claims(p, rushed, budget)
