@@ -13,7 +13,7 @@ from flax import nnx
 
 import kiwi_jax
 import solvers
-from kiwi_jax.fit import FitStop
+from kiwi_jax.fit import FIT_COMPILES, FitStop
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
 from hlo_tools.compiled import LiveBuffer, device_memory
@@ -31,7 +31,11 @@ SMALL = {
 }
 # A limit the solves end well inside (the GPT's take ~35 s alone): a solve cut short by a busy
 # machine ends at another plan, and the tests would depend on the machine's load.
-FAST = dict(cluster="v100-nvlink", time_limit=120.0, mip_gap=1e-2, cache_dir=False)
+FAST = dict(cluster="v100-nvlink", time_limit=120.0, mip_gap=1e-2, cache_dir=False,
+            fit_compiles=1)
+# One compile: the plan solved under the budget runs as compiled. The tests of what the budget
+# search does (a compiled step that fits, a budget only the model rules out) ask for it.
+SEARCH = dict(fit_compiles=FIT_COMPILES)
 
 
 def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
@@ -45,7 +49,7 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
     for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
-    step, args = _step(name, mesh_factory(shape))
+    step, args = _step(name, mesh_factory(shape), **SEARCH)
     report = step.verify(*args, steps=3)
     assert report.steps == 3
     assert report.max_loss_rel_diff <= 1e-5
@@ -60,7 +64,7 @@ def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
 
 
 def test_one_device_plans_recomputation_alone(mesh_factory):
-    step, args = _step("gpt", mesh_factory((1, 1)), budget="2MiB")
+    step, args = _step("gpt", mesh_factory((1, 1)), budget="2MiB", **SEARCH)
     report = step.verify(*args, steps=2)
     assert step.plan.mesh_shape == (1, 1) and step.plan.status == "optimal" and report.fits
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
@@ -75,7 +79,7 @@ def test_a_budget_only_the_model_rules_out_is_searched_against_the_compiler(capl
     ref = build("gpt", layers=2, hidden=64, heads=4, seq=128, batch=8, vocab=128)
     budget = 30_000_000
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget,
-                             memory_model="operator", **FAST)
+                             memory_model="operator", **{**FAST, **SEARCH})
     with caplog.at_level("INFO"):
         prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
     assert "the model finds no plan" in caplog.text
@@ -91,7 +95,7 @@ def test_a_budget_only_the_model_rules_out_is_searched_against_the_compiler(capl
         fastest = solvers.reference_plan(prepared.build.problem, time_limit=60.0)
         assert plan.predicted_step_seconds <= fastest.objective * (1 + FAST["mip_gap"])
     ruled_out = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget,
-                                  memory_model="operator", fit_compiles=0, **FAST)
+                                  memory_model="operator", **{**FAST, "fit_compiles": 0})
     with pytest.raises(solvers.InfeasibleBudgetError):          # no search: the model decides
         ruled_out.lower(*ref.abstract_init(), ref.abstract_batch())
     tight = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=1_000_000,
