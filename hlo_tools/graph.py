@@ -188,7 +188,7 @@ class _Builder:
                 env[instr.name] = self._inline(
                     callee, dict(enumerate(values)), f"{prefix}{instr.name}/",
                     f"{scope}/{instr.op_name}" if scope else instr.op_name)
-            elif instr.opcode in ("tuple", "optimization-barrier"):
+            elif instr.opcode in ("tuple", "opt-barrier"):
                 env[instr.name] = tuple(values) if instr.opcode == "tuple" else values[0]
             elif instr.opcode == "get-tuple-element":
                 source = values[0]

@@ -201,6 +201,17 @@ def test_top_k_gives_one_node_per_result():
     assert graph.users[topk[0].id] and graph.users[topk[1].id]
 
 
+def test_checkpointed_steps_see_through_the_optimization_barrier():
+    def step(x):
+        return jax.grad(lambda x: jnp.sum(jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x)))(x)
+
+    text = lower_to_hlo(step, jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert " opt-barrier(" in text
+    graph = graph_from_text(text)
+    assert {n.opcode for n in graph.nodes} >= {"sine", "cosine", "multiply"}
+    assert not any("barrier" in n.opcode or n.shape.is_tuple for n in graph.nodes)
+
+
 _NESTED_TUPLE = """HloModule nested
 ENTRY main {
   p = f32[4]{0} parameter(0)
