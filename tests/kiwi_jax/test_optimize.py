@@ -119,7 +119,7 @@ def test_argmax_accuracy_and_top_k_routing_match_the_plain_step(make, opcode, me
     """Multi-result operators in user steps: argmax's variadic reduce and top-2 routing."""
     train_step, args = make()
     step = kiwi_jax.optimize(train_step, mesh=mesh24, memory_budget="100%", cache_dir=False,
-                             time_limit=60)
+                             time_limit=60, fit_compiles=1)       # numerics, not the search
     report = step.verify(*args, steps=3)
     assert report.steps == 3
     assert report.max_loss_rel_diff <= 1e-5
