@@ -2,8 +2,12 @@
 
 Nested ``call`` computations (what ``jax.jit`` inside a step lowers to) are inlined so that every
 node is an array-valued instruction of the step; tuples and ``get-tuple-element`` are resolved
-away. ``while`` and ``conditional`` (from ``lax.scan``, ``lax.fori_loop``, ``lax.cond``) are not
-supported: their bodies run a data-dependent number of times and cannot be planned op by op.
+away. An instruction with several results (a variadic ``reduce`` such as argmax's reduction over
+(value, index) pairs, ``topk``'s values and indices, a ``sort`` of several operands) becomes one
+node per result, named ``<instruction>#<index>``, each reading all the instruction's operands;
+results nothing reads are dropped with the other dead values. ``while`` and ``conditional``
+(from ``lax.scan``, ``lax.fori_loop``, ``lax.cond``) are not supported: their bodies run a
+data-dependent number of times and cannot be planned op by op.
 
 References:
   KIWI (Liu et al.), sec. 3: the graph G = (V, E) in topological order, forward and backward
@@ -45,12 +49,14 @@ class Node:
     id: int
     """Index in topological order (0 .. |V|-1)."""
     name: str
-    """Stable id: the HLO instruction name, prefixed by the call path for inlined calls. The
-    same step lowered twice gives the same names."""
+    """Stable id: the HLO instruction name, prefixed by the call path for inlined calls and
+    suffixed by ``#<index>`` for one result of a multi-result instruction. The same step
+    lowered twice gives the same names."""
     opcode: str
     """HLO opcode."""
     shape: Shape
-    """Result shape (never a tuple)."""
+    """Result shape (never a tuple: for a multi-result instruction, the shape of this node's
+    result)."""
     operands: tuple[int, ...]
     """Ids of the operand nodes, in operand order."""
     attrs: dict
@@ -151,9 +157,14 @@ class _Builder:
         return root_value, [params[k] for k in sorted(params)]
 
     def _add(self, instr: Instruction, operands: tuple[int, ...], prefix: str,
-             scope: str) -> int:
+             scope: str, index: int | None = None) -> int:
+        """Record one node: the instruction's result, or its result ``index`` when it has
+        several."""
         op_name = f"{scope}/{instr.op_name}" if scope else instr.op_name
-        self.records.append(dict(name=prefix + instr.name, instr=instr, operands=operands,
+        name, shape = prefix + instr.name, instr.shape
+        if index is not None:
+            name, shape = f"{name}#{index}", shape.elements[index]
+        self.records.append(dict(name=name, instr=instr, shape=shape, operands=operands,
                                  op_name=op_name))
         return len(self.records) - 1
 
@@ -177,25 +188,34 @@ class _Builder:
                 env[instr.name] = self._inline(
                     callee, dict(enumerate(values)), f"{prefix}{instr.name}/",
                     f"{scope}/{instr.op_name}" if scope else instr.op_name)
-            elif instr.opcode in ("tuple", "optimization-barrier"):
+            elif instr.opcode in ("tuple", "opt-barrier"):
                 env[instr.name] = tuple(values) if instr.opcode == "tuple" else values[0]
             elif instr.opcode == "get-tuple-element":
                 source = values[0]
                 if not isinstance(source, tuple):
-                    raise UnsupportedOpError(
-                        f"get-tuple-element {instr.name} reads a tuple-valued "
-                        f"{self.records[source]['instr'].opcode!r}; only tuples of calls are "
-                        "supported")
+                    raise HloParseError(
+                        f"expected get-tuple-element {instr.name} to read a tuple, found the "
+                        f"array-valued {self.records[source]['instr'].opcode!r} "
+                        f"{instr.operands[0]}")
                 env[instr.name] = source[int(instr.attrs["index"])]
             else:
-                if instr.shape.is_tuple:
-                    raise UnsupportedOpError(
-                        f"tuple-valued HLO opcode {instr.opcode!r} ({instr.name}, op_name "
-                        f"{instr.op_name!r}) is not supported; avoid variadic reductions such as "
-                        "argmax inside the train step")
+                op_name = f"{scope}/{instr.op_name}" if scope else instr.op_name
+                where = f"HLO opcode {instr.opcode!r} ({prefix}{instr.name}, op_name {op_name!r})"
                 if any(isinstance(v, tuple) for v in values):
-                    raise UnsupportedOpError(f"{instr.opcode} {instr.name} reads a tuple")
-                env[instr.name] = self._add(instr, tuple(values), prefix, scope)
+                    raise UnsupportedOpError(
+                        f"{where} reads a whole tuple; expected operators to read arrays (the "
+                        f"planner shards arrays): compute this {instr.opcode!r} outside the "
+                        "train step")
+                if not instr.shape.is_tuple:
+                    env[instr.name] = self._add(instr, tuple(values), prefix, scope)
+                elif any(e.is_tuple for e in instr.shape.elements):
+                    raise UnsupportedOpError(
+                        f"{where} returns nested tuples {instr.shape}; expected an array or a "
+                        f"tuple of arrays: compute this {instr.opcode!r} outside the train step")
+                else:                                   # one node per result
+                    env[instr.name] = tuple(
+                        self._add(instr, tuple(values), prefix, scope, index)
+                        for index in range(len(instr.shape.elements)))
         return env[comp.root.name]
 
 
@@ -231,7 +251,8 @@ def build_graph(module: HloModule, param_paths: Sequence[Sequence] | None = None
         which jax sets to the argument's path.
 
     Raises:
-      UnsupportedOpError: the step contains loops, conditionals or tuple-valued operators.
+      UnsupportedOpError: the step contains loops, conditionals, or operators returning
+        nested tuples or reading whole tuples.
     """
     builder = _Builder(module)
     root_value, param_ids = builder.run()
@@ -274,7 +295,7 @@ def build_graph(module: HloModule, param_paths: Sequence[Sequence] | None = None
     output_set = set(new_id[o] for o in outputs_raw)
     nodes = tuple(
         Node(id=idx, name=records[rid]["name"], opcode=records[rid]["instr"].opcode,
-             shape=records[rid]["instr"].shape, operands=operands[idx],
+             shape=records[rid]["shape"], operands=operands[idx],
              attrs=records[rid]["instr"].attrs, phase=phases[idx], layer=layers[idx],
              op_name=records[rid]["op_name"], is_output=idx in output_set)
         for idx, rid in enumerate(kept))

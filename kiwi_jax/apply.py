@@ -4,7 +4,8 @@ the dropped ones, input and output shardings from the plan.
 The plan is made on the operator graph of the *interpreted* step (see :mod:`kiwi_jax.interpret`),
 whose HLO instructions carry the path of the jaxpr equation that produced them. Each equation
 output is enforced at one node, its representative: the last node of that equation (or of the
-call it inlines) with the output's shape and type. A top-level forward equation is recomputed
+call it inlines) with the output's dimensions (and, for an equation of several outputs such as
+``top_k``'s values and indices, its element type). A top-level forward equation is recomputed
 when the plan recomputes one of its representatives.
 
 References:
@@ -76,6 +77,9 @@ def _representatives(closed, graph: OpGraph) -> dict:
                     continue
                 match = [n for n in nodes if graph.nodes[n].shape.dims == tuple(aval.shape)
                          and graph.nodes[n].opcode != "parameter"]
+                if len(eqn.outvars) > 1:      # e.g. top_k's values and indices: same dims
+                    typed = [n for n in match if graph.nodes[n].shape.dtype == _hlo_dtype(aval)]
+                    match = typed or match
                 if match:
                     result[(path, k)] = match[-1]
             body = inlined_call(eqn)          # the interpreter's paths inside inlined calls
@@ -83,6 +87,19 @@ def _representatives(closed, graph: OpGraph) -> dict:
                 visit(body[0], path)
     visit(closed.jaxpr, "")
     return result
+
+
+def _hlo_dtype(aval) -> str:
+    """The element type of ``aval`` as HLO spells it (``float32`` -> ``f32``, ``int32`` ->
+    ``s32``, ``bool`` -> ``pred``, ``float8_e4m3fn`` -> ``f8e4m3fn``)."""
+    name = np.dtype(aval.dtype).name
+    if name == "bool":
+        return "pred"
+    for numpy, hlo in (("uint", "u"), ("int", "s"), ("bfloat", "bf"), ("float8_", "f8"),
+                       ("float4_", "f4"), ("float", "f"), ("complex", "c")):
+        if name.startswith(numpy):
+            return hlo + name[len(numpy):]
+    return name
 
 
 def trace_for_planning(pure: PureStep) -> TracedStep:

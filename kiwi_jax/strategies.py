@@ -33,13 +33,14 @@ from kiwi_jax.sharding import (Comm, Spec, comm_seconds, enumerate_specs, local_
                                replicated, shard_count, spec_from_assignment, spec_str)
 
 __all__ = ["Strategy", "node_strategies", "combined_all_reduces", "latency_shares",
-           "operator_comm_seconds", "ELEMENTWISE", "FREE_OPCODES", "ALL_REDUCING_OPCODES"]
+           "operator_comm_seconds", "may_all_reduce", "ELEMENTWISE", "FREE_OPCODES",
+           "ALL_REDUCING_OPCODES"]
 
 FREE_OPCODES = frozenset({"parameter", "constant", "iota", "broadcast", "reshape", "bitcast"})
 """Operators that XLA turns into bitcasts or fuses into their users: no compute time."""
 ALL_REDUCING_OPCODES = frozenset({"dot", "reduce", "scatter"})
 """Operators with strategies that all-reduce partial results (split contracting, reduced or
-scatter dimensions)."""
+scatter dimensions); a variadic reduce has none (:func:`may_all_reduce`)."""
 _SLICE = re.compile(r"\[(-?\d+):(-?\d+)(?::(-?\d+))?\]")
 
 
@@ -132,17 +133,30 @@ def _transpose(ctx: _Ctx) -> list[Strategy]:
 
 
 def _reduce(ctx: _Ctx) -> list[Strategy]:
+    """A reduction of n inputs of one shape with n scalar inits. With one input, a split
+    reduced dimension leaves partial results that are all-reduced. With several (a variadic
+    reduce, e.g. argmax's over values and indices; the node is one of its results) the inputs
+    share a spec and the reduced dimensions stay whole: such a combiner is no all-reduce."""
     reduced = set(ctx.node.int_list("dimensions"))
+    inputs = len(ctx.operand_shapes) // 2
     in_shape = ctx.operand_shapes[0]
+    allowed = None if inputs == 1 else [d not in reduced for d in range(in_shape.rank)]
     result = []
-    for spec in ctx.specs(in_shape.dims):
+    for spec in ctx.specs(in_shape.dims, allowed):
         out = tuple(axes for d, axes in enumerate(spec) if d not in reduced)
         partial = tuple(sorted(a for d in reduced for a in spec[d]))
         comms = [Comm("all-reduce", partial, local_bytes(ctx.node.nbytes, out, ctx.mesh))] \
             if partial else []
-        operands = [spec] + [()] * (len(ctx.operand_shapes) - 1)
+        operands = [spec] * inputs + [()] * (len(ctx.operand_shapes) - inputs)
         result.append(ctx.make(out, operands, comms, shard_count(spec, ctx.mesh)))
     return result
+
+
+def may_all_reduce(node: Node) -> bool:
+    """Whether some strategy of ``node`` all-reduces partial results (an operator of
+    :data:`ALL_REDUCING_OPCODES`, except a variadic reduce: :func:`_reduce`)."""
+    return node.opcode in ALL_REDUCING_OPCODES and not (
+        node.opcode == "reduce" and len(node.operands) > 2)
 
 
 def reshape_groups(in_dims, out_dims):
@@ -336,6 +350,7 @@ _BUILDERS = {
     "dot": _dot, "reduce": _reduce, "broadcast": _broadcast, "transpose": _transpose,
     "reshape": _reshape, "bitcast": _reshape, "gather": _gather, "scatter": _scatter,
     "parameter": _source, "constant": _source, "iota": _source,
+    "topk": lambda ctx: _windowed(ctx, {ctx.node.shape.rank - 1}),   # last dimension whole
     **{op: (lambda ctx: _windowed(ctx, _fixed_dims(ctx))) for op in
        ("slice", "concatenate", "pad", "dynamic-slice", "dynamic-update-slice")},
     **{op: _elementwise for op in ELEMENTWISE},
@@ -361,7 +376,7 @@ def latency_shares(graph: OpGraph) -> np.ndarray:
 
 
 def combined_all_reduces(graph: OpGraph) -> np.ndarray:
-    """bool per node: an operator that may all-reduce (:data:`ALL_REDUCING_OPCODES`) from which
+    """bool per node: an operator that may all-reduce (:func:`may_all_reduce`) from which
     no other such operator is reachable. No all-reduce of one of them depends on another's, so
     XLA's combiner can merge all of them into one collective (per set of replica groups, up to
     its size threshold): in a train step, the weight and bias gradients and the loss.
@@ -370,7 +385,7 @@ def combined_all_reduces(graph: OpGraph) -> np.ndarray:
       XLA ``AllReduceCombiner``: combines all-reduces with no data dependence between them.
     """
     n = len(graph)
-    reducing = np.array([node.opcode in ALL_REDUCING_OPCODES for node in graph.nodes], bool)
+    reducing = np.array([may_all_reduce(node) for node in graph.nodes], bool)
     reaches = np.zeros(n, bool)                      # some reader, transitively, may all-reduce
     for i in reversed(range(n)):                     # topological order: readers come later
         reaches[i] = any(reducing[u] or reaches[u] for u in graph.users[i])

@@ -157,6 +157,77 @@ def test_unrolled_loops_are_required():
         lower_to_graph(scanned, jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
+def _accuracy_step(w, x, labels):
+    """A step that reports an argmax accuracy beside its loss."""
+    (loss, logits), grad = jax.value_and_grad(
+        lambda w: (jnp.mean((x @ w) ** 2), x @ w), has_aux=True)(w)
+    return w - 0.1 * grad, loss, jnp.mean(logits.argmax(-1) == labels)
+
+
+def _routed_step(w, x):
+    """A step that routes with top-2 gates, as a mixture of experts does."""
+    def loss(w):
+        gates, experts = jax.lax.top_k(jax.nn.softmax(x @ w), 2)
+        return jnp.sum(gates[..., None] * jax.nn.one_hot(experts, 4))
+
+    value, grad = jax.value_and_grad(loss)(w)
+    return w - 0.1 * grad, value
+
+
+def test_argmax_keeps_the_index_result_of_its_variadic_reduce():
+    graph = lower_to_graph(_accuracy_step, jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                           jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                           jax.ShapeDtypeStruct((8,), jnp.int32))
+    multi = [n for n in graph.nodes if "#" in n.name]
+    assert [(n.opcode, str(n.shape)) for n in multi] == [("reduce", "s32[8]")]
+    argmax = multi[0]
+    assert argmax.name.endswith("#1")        # the indices; the maxima are read by nothing
+    assert [str(graph.nodes[o].shape) for o in argmax.operands] == \
+        ["f32[8,4]", "s32[8,4]", "f32[]", "s32[]"]
+    assert argmax.nbytes == 8 * 4 and graph.users[argmax.id]
+    assert not any(n.opcode in ("tuple", "get-tuple-element") for n in graph.nodes)
+
+
+def test_top_k_gives_one_node_per_result():
+    graph = lower_to_graph(_routed_step, jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                           jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    topk = [n for n in graph.nodes if n.opcode == "topk"]
+    assert [(n.name.split("#")[1], str(n.shape)) for n in topk] == \
+        [("0", "f32[8,2]"), ("1", "s32[8,2]")]
+    assert topk[0].name.split("#")[0] == topk[1].name.split("#")[0]
+    assert topk[0].operands == topk[1].operands
+    assert str(graph.nodes[topk[0].operands[0]].shape) == "f32[8,4]"
+    assert all(n.phase == Phase.FORWARD for n in topk)
+    assert graph.users[topk[0].id] and graph.users[topk[1].id]
+
+
+def test_checkpointed_steps_see_through_the_optimization_barrier():
+    def step(x):
+        return jax.grad(lambda x: jnp.sum(jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x)))(x)
+
+    text = lower_to_hlo(step, jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert " opt-barrier(" in text
+    graph = graph_from_text(text)
+    assert {n.opcode for n in graph.nodes} >= {"sine", "cosine", "multiply"}
+    assert not any("barrier" in n.opcode or n.shape.is_tuple for n in graph.nodes)
+
+
+_NESTED_TUPLE = """HloModule nested
+ENTRY main {
+  p = f32[4]{0} parameter(0)
+  c = ((f32[4]{0}, f32[4]{0}), f32[4]{0}) custom-call(p), custom_call_target="pair"
+  ROOT g = f32[4]{0} get-tuple-element(c), index=1
+}
+"""
+
+
+def test_nested_tuple_results_are_refused_naming_the_op():
+    with pytest.raises(UnsupportedOpError, match="'custom-call' .*nested tuples.*"
+                       "compute this 'custom-call' outside the train step") as error:
+        graph_from_text(_NESTED_TUPLE)
+    assert "argmax" not in str(error.value)
+
+
 def test_liveness_sets_partition_the_nodes(gpt_graph):
     live = liveness(gpt_graph)
     n = len(gpt_graph)

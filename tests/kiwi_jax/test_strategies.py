@@ -130,6 +130,35 @@ def test_independent_all_reduces_share_one_latency():
             assert strategy.comm_s == pytest.approx(expected, rel=1e-12)
 
 
+def test_argmax_and_top_k_keep_their_reduced_dimension_whole():
+    def step(w, x):
+        def loss(w):
+            gates, experts = jax.lax.top_k(jax.nn.softmax(x @ w), 2)
+            return jnp.sum(gates * (experts + 1)), (x @ w).argmax(-1)
+
+        (value, best), grad = jax.value_and_grad(loss, has_aux=True)(w)
+        return w - 0.1 * grad, value, best
+
+    graph = lower_to_graph(step, jax.ShapeDtypeStruct((16, 8), jnp.float32),
+                           jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    argmax = next(n for n in graph.nodes if n.opcode == "reduce" and "#" in n.name)
+    topk = [n for n in graph.nodes if n.opcode == "topk"]
+    assert len(topk) == 2
+    for node in [argmax, *topk]:
+        strategies, supported = node_strategies(graph, node, MESH, CLUSTER)
+        assert supported and len(strategies) > 1
+        for strategy in strategies:
+            data, *others = strategy.operands
+            assert data[1] == () and not strategy.comms       # the reduced dimension is whole
+            if node is argmax:                                # values and indices alike
+                assert others == [data, (), ()] and strategy.out == data[:1]
+            else:
+                assert strategy.out == data
+        assert len({s.out for s in strategies}) == 4     # rows over no axis, 0, 1 or both
+    assert not combined_all_reduces(graph)[argmax.id]   # a variadic reduce never all-reduces
+    assert build_problem(graph, MESH, CLUSTER).unsupported == {}
+
+
 def test_unknown_opcode_falls_back_to_replicated_with_a_warning(caplog):
     graph = lower_to_graph(lambda x: jnp.sort(x, axis=0) * 2,
                            jax.ShapeDtypeStruct((8, 8), jnp.float32))
