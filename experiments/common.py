@@ -212,16 +212,28 @@ class PlanCompiler:
 
     def __init__(self, model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",
                  **config):
+        from kiwi_jax.models import build
+
+        ref = build(model, layers=layers, **config)
+        self._setup(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()), mesh, cluster)
+
+    @classmethod
+    def for_step(cls, train_step, args, mesh: str, cluster: str = "v100-nvlink"):
+        """The compiler of any train step (a zoo model's, say) at ``args`` (abstract or
+        concrete)."""
+        compiler = cls.__new__(cls)
+        compiler._setup(train_step, tuple(args), mesh, cluster)
+        return compiler
+
+    def _setup(self, train_step, args: tuple, mesh: str, cluster: str) -> None:
         import jax
 
         from kiwi_jax.cluster import Cluster, MeshSpec
         from kiwi_jax.frontend import trace
-        from kiwi_jax.models import build
         from kiwi_jax.problem import build_problem
         from kiwi_jax.step import carried_state
 
-        ref = build(model, layers=layers, **config)
-        self.traced = trace(ref.train_step, *ref.abstract_init(), ref.abstract_batch())
+        self.traced = trace(train_step, *args)
         self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster))
