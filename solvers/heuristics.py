@@ -1,9 +1,10 @@
 """Keep/recompute rules of the baselines: each fixes the keep flags, then sharding is solved
 under the budget with the flags fixed.
 
-KIWI's model recomputes one operator at a time from kept inputs (eq. 9), so a rule that asks to
-recompute a chain is applied greedily in topological order: a node is recomputed only when none
-of its recomputable inputs is.
+Outside layers, KIWI's model recomputes one operator at a time from kept inputs (eq. 9), so a
+rule that asks to recompute a chain there is applied greedily in topological order: a node is
+recomputed only when none of its recomputable inputs is. Inside a layer a chain is recomputed
+whole, as ``jax.checkpoint`` around the block does (``ShardingProblem.chained``).
 
 References:
   KIWI (Liu et al.), sec. 4.1 baselines: Checkpoint Dots + Alpa (JAX's ``checkpoint_dots``) and
@@ -34,12 +35,13 @@ def keep_all(problem: ShardingProblem) -> np.ndarray:
 
 
 def _apply(problem: ShardingProblem, want_recompute: np.ndarray) -> np.ndarray:
-    """Recompute the wanted recomputable nodes that eq. 9 allows, in topological order."""
-    recomputable = problem.recomputable
+    """Recompute the wanted recomputable nodes that eq. 9 allows (their recomputable inputs are
+    kept, or dropped values of their own layer: a chain), in topological order."""
+    droppable = problem.droppable
     keep = np.ones(problem.num_nodes, bool)
     operands = problem.operands()
-    for j in np.flatnonzero(want_recompute & recomputable):
-        if all(keep[i] for i in operands[j] if recomputable[i]):
+    for j in np.flatnonzero(want_recompute & droppable):
+        if all(keep[i] or problem.chained(i, j) for i in operands[j] if droppable[i]):
             keep[j] = False
     return keep
 

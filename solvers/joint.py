@@ -10,7 +10,9 @@ Variables and rows:
   linear description of the product of two one-hot vectors, and exact at integer s. Matrices that
   split as u[a] + v[b] need no e at all and go into the node costs.
 - ``m_i`` binary for each forward node read by the backward pass (z_i = 1): 1 keeps it, 0 drops
-  it after its last forward reader and recomputes it before its first backward reader.
+  it after its last forward reader and recomputes it before its first backward reader, or, in a
+  layer, before the first dropped value of the layer that is recomputed from it
+  (``ShardingProblem.recompute_stage``).
 - ``w_i >= cost_i(s, e) - M_i m_i``: the recomputation cost, the (1 - m_i) z_i factor of eq. 2.
 - Memory: every value's lifetime is a union of intervals whose bytes are ``mem_i(s)`` or, for
   the windows a keep decision opens (kept value between its last forward and first backward use;
@@ -19,7 +21,11 @@ Variables and rows:
   lifetime ends (only there can the peak occur), follow the recurrence of eq. 3 and stay under
   the budget (eq. 8).
 - Eq. 9 (inputs of a recomputed node are kept): ``m_i + m_j >= 1`` on every edge i -> j between
-  recomputable nodes (eq. 31 for binary m); other forward inputs are held by the memory terms.
+  recomputable nodes (eq. 31 for binary m), except inside a layer: there a dropped value may be
+  recomputed from other dropped values of the layer, as ``jax.checkpoint`` around a block does
+  (a chain; ``ShardingProblem.chained``), so per-block policies such as ``dots_saveable`` and
+  ``nothing_saveable`` are plans of the program. Other forward inputs are held by the memory
+  terms.
 
 References:
   KIWI (Liu et al.), eq. 2-11 and appendix eq. 21-31; Alpa (Zheng et al., OSDI 2022), sec. 4.2
@@ -177,13 +183,14 @@ class Builder:
             self._mem[i] = self.node_expr(i, self.p.memory[i] / self.units.bytes)
         return self._mem[i]
 
-    def conditional(self, i: int, condition: Expr) -> Expr:
+    def conditional(self, i: int, condition: Expr, signed: bool = False) -> Expr:
         """An expression >= mem_i(s) * condition for a 0/1 ``condition`` (big-M; exact where it
-        only bounds memory from above)."""
+        only bounds memory from above). ``signed``: the condition is a difference of two 0/1
+        expressions, and the bound is on mem_i(s) times its positive part."""
         mem = self.mem(i)
         if condition.is_constant:
-            return mem * condition.constant
-        if mem.is_constant:
+            return mem * (max(condition.constant, 0.0) if signed else condition.constant)
+        if mem.is_constant and not signed:
             return condition * mem.constant
         big = float(self.p.memory[i].max()) / self.units.bytes
         g = self.model.add_var(lb=0.0, ub=big, integer=False,
@@ -344,7 +351,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     model, n = b.model, problem.num_nodes
     cost = b.node_costs()
 
-    recomputable = p.recomputable
+    recomputable = p.droppable               # KIWI's z_i values, and the chains' (see below)
     m_vars: dict[int, int] = {}
     if fixed_keep is None:
         candidates = [int(i) for i in np.flatnonzero(recomputable)]
@@ -381,11 +388,12 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
 
 
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
-    """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between recomputable nodes."""
+    """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between recomputable nodes, but for the edges
+    inside a layer, where a recomputed value may read another (``p.chained``)."""
     seen = set()
     for src, dst in p.uses:
         src, dst = int(src), int(dst)
-        if not (recomputable[src] and recomputable[dst]):
+        if not (recomputable[src] and recomputable[dst]) or p.chained(src, dst):
             continue
         if src in m_vars and dst in m_vars:
             pair = tuple(sorted((m_vars[src], m_vars[dst])))
@@ -399,30 +407,44 @@ def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
                              f"recomputed but its input {p.names[src]} is not kept")
 
 
-def _memory_rows(p, b: Builder, keep_expr, recomputable, budget, minimize_peak) -> int | None:
-    """Lifetime terms of every value under KIWI's semantics, limited by the budget."""
+def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> int | None:
+    """Lifetime terms of every value under KIWI's semantics, limited by the budget.
+
+    A value the backward pass does not read but a chain may recompute (droppable, not
+    recomputable) lives through the forward pass; dropped, it is alive again at its recompute
+    stage (and until the last dropped reader that stage serves: the operand terms)."""
     n = p.num_nodes
     last = np.minimum(p.live, n - 1)
+    stage = p.recompute_stage             # where a dropped value is recomputed
+    read_back = p.recomputable            # read by the backward pass
+    readers = p.readers()
     terms: list[tuple[Expr, int, int]] = []
     for i in range(n):
         if p.phase[i] == Phase.PARAM:
             terms.append((b.mem(i), 0, n - 1))
-        elif recomputable[i]:
+        elif read_back[i]:
             terms.append((b.mem(i), i, int(p.fwd_last_use[i])))
-            terms.append((b.mem(i), int(p.first_bwd_use[i]), int(last[i])))
-            if p.first_bwd_use[i] - 1 > p.fwd_last_use[i]:
+            terms.append((b.mem(i), int(stage[i]), int(last[i])))
+            if stage[i] - 1 > p.fwd_last_use[i]:
                 terms.append((b.conditional(i, keep_expr[i]), int(p.fwd_last_use[i]) + 1,
-                              int(p.first_bwd_use[i]) - 1))
+                              int(stage[i]) - 1))
         else:
             terms.append((b.mem(i), i, int(last[i])))
+            if droppable[i]:                # recomputed for its chained readers, the last of
+                until = max(int(stage[j]) for j in readers[i] if p.chained(i, j))  # them here
+                terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(stage[i]), until))
     for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
         src, dst = int(src), int(dst)
-        if not recomputable[dst] or p.phase[src] != Phase.FORWARD \
-                or p.first_bwd_use[dst] <= last[src]:
+        if not droppable[dst] or p.phase[src] != Phase.FORWARD or stage[dst] <= last[src]:
             continue
         dropped = const(1.0) - keep_expr[dst]
         if dropped.is_constant and dropped.constant == 0.0:
             continue
-        terms.append((b.conditional(src, dropped), int(last[src]) + 1,
-                      int(p.first_bwd_use[dst])))
+        if droppable[src] and not read_back[src] and p.chained(src, dst):
+            # a chain through a value the backward pass does not read: dropped, its copy is
+            # counted above; kept, it is held from its last forward reader for this one
+            terms.append((b.conditional(src, keep_expr[src] - keep_expr[dst], signed=True),
+                          int(last[src]) + 1, int(stage[dst])))
+            continue
+        terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(stage[dst])))
     return b.limit_memory(terms, budget, minimize_peak)

@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -127,6 +128,76 @@ class ShardingProblem:
         overlap twice."""
         return (self.phase == Phase.FORWARD) & self.z \
             & (self.first_bwd_use > self.fwd_last_use)
+
+    def chained(self, src: int, dst: int) -> bool:
+        """Whether a dropped ``dst`` may be recomputed from a dropped ``src``: both are
+        droppable values (:attr:`droppable`) of the same layer, and ``dst`` is recomputed in
+        the layer's backward pass, after ``src``'s last forward reader: the two are recomputed
+        together, as ``jax.checkpoint`` around a block recomputes (see
+        :attr:`recompute_stage`). Elsewhere KIWI's eq. 9 holds: the inputs of a recomputed
+        value are kept."""
+        droppable, stage, block = self._recompute_plan
+        return bool(droppable[src] and droppable[dst] and self.layer[src] >= 0
+                    and self.layer[src] == self.layer[dst]
+                    and stage[dst] >= block[dst] and stage[dst] > self.fwd_last_use[src])
+
+    @property
+    def droppable(self) -> np.ndarray:
+        """bool per node: values the reduced program may drop after the forward pass. The
+        :attr:`recomputable` ones, and forward values of a layer the backward pass does not
+        read (a residual branch's output, a GELU's inner terms) that a droppable value of
+        their layer reads: dropping one makes its layer's recomputation recompute it too (a
+        chain), where keeping it would hold it until then."""
+        return self._recompute_plan[0]
+
+    @property
+    def recompute_stage(self) -> np.ndarray:
+        """int per node: the stage in which a dropped value is recomputed (-1 for values that
+        are not droppable).
+
+        Outside layers it is the stage of the value's first backward reader (KIWI's reduced
+        semantics). Inside a layer a dropped value may be read by the recomputation of another
+        dropped value of the layer (a chain, :meth:`chained`), so it is recomputed early enough
+        for those too: the earliest of its first backward reader's stage and the stages of its
+        droppable readers in the layer, where those come after its last forward reader (an
+        earlier one reads the value before it is dropped). With no chained reader this is
+        KIWI's stage; the plans of eq. 9 keep their meaning.
+
+        References:
+          KIWI (Liu et al.), sec. 3.2 (X sets, eq. 9); Checkmate (Jain et al., 2020), sec. 4
+          (a recomputation may read recomputed values).
+        """
+        return self._recompute_plan[1]
+
+    @functools.cached_property
+    def _recompute_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(:attr:`droppable`, :attr:`recompute_stage`, per node the first backward stage of
+        its layer), computed in reverse topological order. A value's stage follows its
+        droppable readers in the layer that are recomputed in the layer's backward pass (not
+        those a backward reader needs earlier, such as a residual branch the final norm's
+        gradient reads: chaining through those would recompute the whole layer there); a
+        forward value the backward pass does not read is droppable when it has such a
+        reader."""
+        n = self.num_nodes
+        recomputable = self.recomputable
+        droppable = recomputable.copy()
+        stage = np.where(recomputable, self.first_bwd_use, n)
+        starts: dict[int, int] = {}
+        for i in np.flatnonzero((self.phase == Phase.BACKWARD) & (self.layer >= 0)):
+            starts.setdefault(int(self.layer[i]), int(i))
+        block = np.array([starts.get(int(lay), n) if lay >= 0 else n for lay in self.layer])
+        readers = self.readers()
+        candidate = (self.phase == Phase.FORWARD) & (self.layer >= 0) & ~self.z \
+            & ~self.is_output
+        for i in reversed(range(n)):
+            if self.layer[i] < 0 or not (recomputable[i] or candidate[i]):
+                continue
+            for j in readers[i]:
+                if droppable[j] and self.layer[j] == self.layer[i] and stage[j] >= block[j] \
+                        and self.fwd_last_use[i] < stage[j] < stage[i]:
+                    stage[i] = stage[j]
+            droppable[i] = stage[i] < n
+        return droppable, np.where(droppable, stage, -1), block
 
     @property
     def leaders(self) -> np.ndarray:

@@ -69,10 +69,17 @@ class SimResult:
 
 def reduced_schedule(problem: ShardingProblem, keep) -> dict[int, tuple[int, ...]]:
     """KIWI's reduced semantics: each dropped forward value read by the backward pass is
-    recomputed once, in the stage of its first backward reader."""
+    recomputed once, in the stage of its first backward reader, or earlier where a dropped
+    value of its layer is recomputed from it; a dropped value of a chain the backward pass does
+    not read, at the stage of its layer's first dropped reader
+    (:attr:`~solvers.problem.ShardingProblem.recompute_stage`)."""
     keep = np.asarray(keep, bool)
-    dropped = problem.recomputable & ~keep
-    return {int(i): (int(problem.first_bwd_use[i]),) for i in np.flatnonzero(dropped)}
+    dropped = problem.droppable & ~keep
+    stage = problem.recompute_stage
+    readers = problem.readers()
+    return {int(i): (int(stage[i]),) for i in np.flatnonzero(dropped)
+            if problem.recomputable[i] or any(dropped[j] and problem.chained(int(i), j)
+                                              for j in readers[i])}
 
 
 def simulate(problem: ShardingProblem, strategy, keep=None,

@@ -1,0 +1,150 @@
+"""Chains of recomputation inside a layer: a dropped value recomputed from other dropped values
+of its layer, as ``jax.checkpoint`` around a block does, in the program, the simulator and the
+baseline rules."""
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from solvers import InfeasibleBudgetError, simulate, solve
+from solvers.heuristics import keep_layer_inputs
+from solvers.joint import build_joint
+from solvers.phase import Phase
+from solvers.reuse import with_layer_ties
+from solver_graphs import layered_problem, make_problem, random_problem
+
+
+def _layers(p, layers: int, width: int):
+    """``random_problem``'s forward and backward operators labelled with their layer."""
+    layer = np.full(p.num_nodes, -1)
+    first = 1 + layers                                   # after x and the parameters
+    for lay in range(layers):
+        layer[first + lay * width: first + (lay + 1) * width] = lay
+    backward = first + layers * width + 2                # after the loss and its gradient
+    for lay in reversed(range(layers)):                  # per layer: width + 1 (the grad)
+        layer[backward: backward + width + 1] = lay
+        backward += width + 1
+    assert (p.phase[layer >= 0] != Phase.PARAM).all()
+    return with_layer_ties(dataclasses.replace(p, layer=layer))
+
+
+def test_a_layer_is_recomputed_at_the_start_of_its_backward_pass():
+    p = layered_problem(layers=2)                # per layer a -> b -> c, backward c, b, a
+    fb, stage = p.first_bwd_use, p.recompute_stage
+    for lay in range(2):
+        a, b, c = np.flatnonzero((p.layer == lay) & (p.phase == Phase.FORWARD))
+        assert p.chained(a, b) and p.chained(b, c)
+        assert fb[c] < fb[b] < fb[a]
+        assert stage[a] == stage[b] == stage[c] == fb[c]
+    loss = int(np.flatnonzero((p.layer < 0) & (p.phase == Phase.FORWARD))[0])
+    assert not p.chained(int(np.flatnonzero(p.layer == 1)[-1]), loss)
+
+
+def test_full_recomputation_keeps_only_what_crosses_a_layer_boundary():
+    p = layered_problem(layers=2)
+    keep = keep_layer_inputs(p)
+    dropped = {(int(p.layer[i]), k) for i in np.flatnonzero(~keep & p.recomputable)
+               for k in [int(np.flatnonzero(np.flatnonzero(p.layer == p.layer[i]) == i)[0])]}
+    assert dropped == {(0, 0), (0, 1), (1, 0), (1, 1)}    # a and b of both layers; c kept
+    kept_peak = simulate(p, np.zeros(p.num_nodes, int)).peak_bytes
+    assert simulate(p, np.zeros(p.num_nodes, int), keep).peak_bytes < kept_peak
+
+
+def _brute_force(p, budget: int) -> float:
+    """The fastest keep flags under ``budget`` (one strategy per node): a dropped value's
+    droppable inputs are kept or dropped values of its own layer it may chain from."""
+    candidates = np.flatnonzero(p.droppable)
+    operands = p.operands()
+    strategy = np.zeros(p.num_nodes, int)
+    best = float("inf")
+    for dropped in itertools.product((False, True), repeat=len(candidates)):
+        gone = {int(i) for i, d in zip(candidates, dropped) if d}
+        if any(i in gone and not p.chained(i, j) for j in gone for i in operands[j]):
+            continue
+        keep = np.ones(p.num_nodes, bool)
+        keep[list(gone)] = False
+        sim = simulate(p, strategy, keep)
+        if sim.peak_bytes <= budget:
+            best = min(best, sim.step_seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5])       # seeds whose optimum recomputes a chain
+def test_the_program_with_chains_finds_the_exhaustive_optimum(seed):
+    p = _layers(random_problem(seed, layers=2, width=3, max_strategies=1), 2, 3)
+    operands = p.operands()
+    peak = simulate(p, np.zeros(p.num_nodes, int)).peak_bytes
+    chains = 0
+    for fraction in (0.96, 0.92, 0.88, 0.86):
+        budget = int(fraction * peak)
+        expected = _brute_force(p, budget)
+        if expected == float("inf"):
+            with pytest.raises(InfeasibleBudgetError):
+                solve(p, budget, solver="kiwi", reuse_layers=False)
+            continue
+        sol = solve(p, budget, solver="kiwi", reuse_layers=False, mip_gap=1e-9)
+        assert sol.objective == pytest.approx(expected, rel=1e-6)
+        sim = simulate(p, sol.strategy, recompute_at=sol.recompute_at)
+        assert sim.peak_bytes <= sol.claimed_peak_bytes <= budget
+        chains += any(i in sol.recompute_at for j in sol.recompute_at for i in operands[j])
+    assert chains, "no budget of this seed is won by recomputing a chain"
+
+
+def _branch_problem():
+    """Two layers of x -> a -> f -> b (+ x): f, a residual branch's output, is read by no
+    backward operator; backward: gb reads b, ga reads a."""
+    phases, edges, layer, compute, memory = [], [], [], [], []
+
+    def node(phase, inputs, seconds, nbytes, lay):
+        phases.append(phase)
+        edges.extend((j, len(phases) - 1) for j in inputs)
+        layer.append(lay)
+        compute.append([seconds])
+        memory.append([nbytes])
+        return len(phases) - 1
+
+    h = node(Phase.PARAM, [], 0.0, 10, -1)
+    acts = []
+    for lay in range(2):
+        a = node(Phase.FORWARD, [h], 1.0, 20, lay)
+        f = node(Phase.FORWARD, [a], 1.0, 100, lay)
+        b = node(Phase.FORWARD, [f, h], 1.0, 100, lay)
+        acts.append((a, b))
+        h = b
+    loss = node(Phase.FORWARD, [h], 0.1, 1, -1)
+    g = node(Phase.BACKWARD, [loss], 0.1, 1, -1)
+    for lay in (1, 0):
+        a, b = acts[lay]
+        g = node(Phase.BACKWARD, [g, b], 1.0, 10, lay)
+        g = node(Phase.BACKWARD, [g, a], 1.0, 10, lay)
+    update = node(Phase.OPTIMIZER, [g, 0], 0.1, 10, -1)
+    return make_problem(phases, edges, compute, memory, layer=layer, outputs=(loss, update))
+
+
+def test_the_program_counts_every_chain_through_a_value_the_backward_pass_does_not_read():
+    """Over every keep set the rule allows, the program's peak (keep flags fixed, peak
+    minimised) equals the simulator's (and bounds it where a branch is dropped for nothing)."""
+    p = _branch_problem()
+    f = [int(i) for i in np.flatnonzero((p.phase == Phase.FORWARD) & ~p.z & (p.layer >= 0))]
+    assert len(f) == 2 and p.droppable[f].all() and not p.recomputable[f].any()
+    candidates = np.flatnonzero(p.droppable)
+    operands = p.operands()
+    strategy = np.zeros(p.num_nodes, int)
+    checked = 0
+    for dropped in itertools.product((False, True), repeat=len(candidates)):
+        gone = {int(i) for i, d in zip(candidates, dropped) if d}
+        if any(i in gone and not p.chained(i, j) for j in gone for i in operands[j]):
+            continue
+        keep = np.ones(p.num_nodes, bool)
+        keep[list(gone)] = False
+        joint = build_joint(p, None, fixed_keep=keep, minimize_peak=True)
+        result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
+        claimed, simulated = joint.claimed_peak(result.x), simulate(p, strategy, keep).peak_bytes
+        # a branch dropped with none of its readers is as good as kept: counted, not run
+        idle = any(i in gone and not any(j in gone and p.chained(i, j) for j in p.readers()[i])
+                   for i in f)
+        assert claimed >= simulated if idle else claimed == simulated, gone
+        checked += bool(gone & set(f)) and not idle
+    assert checked >= 2
