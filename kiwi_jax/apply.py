@@ -132,7 +132,7 @@ def fingerprint(hlo_text: str) -> str:
 
 
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
-                     beside: dict[int, int] | None = None):
+                     beside: dict[int, int] | None = None, chains: bool = True):
     """The step with the plan applied, and its input/output shardings.
 
     Args:
@@ -142,6 +142,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
       mesh: the jax mesh (its two axis names are the plan's mesh axes).
       beside: ``{recomputed node: node issuing a collective}`` (Lynx): recompute those values
         beside that collective instead of before their first backward reader.
+      chains: recompute a dropped value's dropped inputs of its layer first (the reduced
+        program's chains, ``ShardingProblem.chained``); False (Lynx's schedules, which recompute
+        one level in their windows): read them as the forward pass left them.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -170,7 +173,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                if node in top and top[node] in recompute and anchor in paths
                and "_" not in paths[anchor][0]}
     interpreter = Interpreter(traced.closed, constrain=constrain, recompute=frozenset(recompute),
-                              beside=anchors)
+                              beside=anchors,
+                              chained=_chained_paths(traced, recompute_nodes) if chains
+                              else frozenset())
 
     def fn(*args):
         return jax.tree.unflatten(traced.out_tree, interpreter(*jax.tree.leaves(args)))
@@ -179,6 +184,19 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     in_shardings = jax.tree.unflatten(arg_tree, [sharding(specs[p]) for p in graph.parameters])
     out_shardings = jax.tree.unflatten(traced.out_tree, [sharding(specs[o]) for o in graph.outputs])
     return fn, in_shardings, out_shardings
+
+
+def _chained_paths(traced: TracedStep, recompute_nodes: set[int]) -> frozenset:
+    """Paths of the recomputed top-level equations another recomputed value of the same layer
+    reads (a chain, as ``ShardingProblem.chained`` allows)."""
+    graph, paths = traced.graph, traced.node_paths()
+    out = set()
+    for j in recompute_nodes:
+        for i in graph.nodes[j].operands:
+            if i in recompute_nodes and i in paths and graph.nodes[i].layer >= 0 \
+                    and graph.nodes[i].layer == graph.nodes[j].layer:
+                out.add(paths[i][0])
+    return frozenset(out)
 
 
 def node_specs(strategies, choice) -> list:

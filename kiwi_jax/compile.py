@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 
+import solvers
 from hlo_tools.compiled import MemoryStats, device_memory
 from kiwi_jax.apply import TracedStep, applied_function
 from kiwi_jax.plan import Plan
@@ -62,7 +63,8 @@ def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
     """
     fn, in_shardings, out_shardings = applied_function(
         traced, list(plan.specs), plan.recomputed, mesh,
-        beside=plan.hidden_under if overlap else None)
+        beside=plan.hidden_under if overlap else None,
+        chains=plan.solver not in solvers.LYNX_SOLVERS)
     donate_argnums = ()
     if state_out is not None:
         out_list = list(out_shardings)

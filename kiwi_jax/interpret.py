@@ -21,7 +21,8 @@ run it while the collective is in flight. Those recomputations run under the nam
 
 References:
   KIWI (Liu et al.), sec. 3.2: a recomputed operator runs again just before its first backward
-  user (X sets), from kept inputs (eq. 9); Lynx (sec. 4): recomputation overlapped with
+  user (X sets), from kept inputs (eq. 9), or from values of its layer recomputed first (a
+  chain, as ``jax.checkpoint`` recomputes a block); Lynx (sec. 4): recomputation overlapped with
   communication.
 """
 
@@ -90,12 +91,16 @@ class Interpreter:
         readers (the optimizer) keep reading the original values.
       beside: ``{dropped path: anchor path}``: recompute these when the top-level backward
         equation at the anchor path is reached, tied to its inputs (see the module notes).
+      chained: paths in ``recompute`` whose recomputation is read by other recomputations (a
+        chain inside a layer): a recomputation reading one of them recomputes it first instead
+        of reading the value of the forward pass.
     """
 
     closed: object
     constrain: Callable | None = None
     recompute: frozenset = frozenset()
     beside: dict = dataclasses.field(default_factory=dict)
+    chained: frozenset = frozenset()
 
     def __call__(self, *args_flat) -> list:
         return self._eval(self.closed.jaxpr, self.closed.consts, list(args_flat), "", top=True)
@@ -130,11 +135,6 @@ class Interpreter:
         def read(v):
             return v.val if isinstance(v, jax_core.Literal) else env[v]
 
-        def current(v):
-            """A value as the backward pass sees it: recomputed when it was."""
-            return recomputed[v] if not isinstance(v, jax_core.Literal) and v in recomputed \
-                else read(v)
-
         anchored: dict[str, list[str]] = {}
         for dropped, anchor in (self.beside.items() if top else ()):
             anchored.setdefault(anchor, []).append(dropped)
@@ -145,9 +145,9 @@ class Interpreter:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [read(v) for v in eqn.invars]
             if top and is_backward(str(eqn.source_info.name_stack)):
-                invals = self._substitute(eqn, invals, producer, recomputed, current)
+                invals = self._substitute(eqn, invals, producer, recomputed, read)
                 for dropped in sorted(anchored.get(path, ()), key=_order):
-                    self._recompute(dropped, producer, recomputed, current, invals)
+                    self._recompute(dropped, producer, recomputed, read, invals)
             outvals = self._bind(eqn, invals, path, name_stack)
             for var, val in zip(eqn.outvars, outvals):
                 if not isinstance(var, jax_core.DropVar):
@@ -156,18 +156,27 @@ class Interpreter:
                         producer[var] = (eqn, path, name_stack)
         return [read(v) for v in jaxpr.outvars]
 
-    def _recompute(self, dropped: str, producer, recomputed, current, anchor_invals) -> None:
+    def _recompute(self, dropped: str, producer, recomputed, read, anchor_invals) -> None:
         """Recompute the equation at ``dropped`` now, tied to ``anchor_invals``."""
         found = [(var, entry) for var, entry in producer.items() if entry[1] == dropped]
         if found and found[0][0] not in recomputed:
             tie = [v for v in anchor_invals if hasattr(v, "shape")]
-            self._rerun(found[0][1], tie, recomputed, current, scope=OVERLAP_SCOPE)
+            self._rerun(found[0][1], tie, recomputed, {}, read, scope=OVERLAP_SCOPE)
 
-    def _rerun(self, entry, tie, recomputed, current, scope: str | None = None) -> None:
+    def _rerun(self, entry, tie, recomputed, producer, read, scope: str | None = None) -> None:
         """Run a producer equation again behind an optimization barrier tied to ``tie`` and
-        record its outputs as recomputed."""
+        record its outputs as recomputed. Inputs from :attr:`chained` equations that were not
+        recomputed yet are recomputed first, tied to the same values; the others are read as
+        they are (recomputed, or as the forward pass left them). Lynx's recomputations beside a
+        collective pass no ``producer``: its plans recompute one level (KIWI's eq. 9)."""
         src_eqn, path, name_stack = entry
-        inputs, _ = jax.lax.optimization_barrier(([current(v) for v in src_eqn.invars], tie))
+        for v in src_eqn.invars:
+            if not isinstance(v, jax_core.Literal) and v in producer and v not in recomputed \
+                    and producer[v][1] in self.chained:
+                self._rerun(producer[v], tie, recomputed, producer, read, scope)
+        current = [recomputed[v] if not isinstance(v, jax_core.Literal) and v in recomputed
+                   else read(v) for v in src_eqn.invars]
+        inputs, _ = jax.lax.optimization_barrier((current, tie))
         outs = self._bind(src_eqn, inputs, path,
                           name_stack if scope is None else name_stack.extend(scope))
         for out_var, out in zip(src_eqn.outvars, outs):
@@ -184,6 +193,6 @@ class Interpreter:
         for i in dropped:
             var = eqn.invars[i]
             if var not in recomputed:
-                self._rerun(producer[var], anchor or invals, recomputed, read)
+                self._rerun(producer[var], anchor or invals, recomputed, producer, read)
             invals[i] = recomputed[var]
         return invals

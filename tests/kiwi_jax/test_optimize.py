@@ -362,3 +362,16 @@ def test_custom_optax_chain_in_a_user_step(mesh_factory):
         warnings.simplefilter("ignore")
         report = step.verify(model, optimizer, x, y, steps=3)
     assert report.max_param_rel_diff <= 1e-5 and report.max_loss_rel_diff <= 1e-5
+
+
+def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh24):
+    """Full recomputation keeps only what crosses a layer boundary: dropped values are
+    recomputed from other dropped values of their layer, as jax.checkpoint around a block
+    does, and the step computes what the plain step computes."""
+    step, args = _step("gpt", mesh24, budget="100%", solver="alpa+full")
+    report = step.verify(*args, steps=2)
+    problem, plan = step.prepared.build.problem, step.plan
+    operands = problem.operands()
+    chained = [(i, j) for j in plan.recomputed for i in operands[j] if i in plan.recomputed]
+    assert chained and all(problem.chained(i, j) for i, j in chained)
+    assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
