@@ -14,7 +14,7 @@ from hlo_tools.graph import Phase, UnsupportedOpError
 from hlo_tools.hlo_text import parse_module
 from hlo_tools.layers import layer_report
 from hlo_tools.lower import lower_to_hlo
-from kiwi_jax.apply import trace_for_planning
+from kiwi_jax.apply import applied_function, trace_for_planning
 from kiwi_jax.frontend import trace, trace_step
 from kiwi_jax.interpret import Interpreter, is_unit, path_key, tag_of, trace_flat
 from kiwi_jax.step import functionalize
@@ -159,6 +159,23 @@ def test_a_value_of_a_scan_body_is_recomputed_inside_its_backward_iteration():
     # layer 0's backward iteration to reach it (after layers 2 and 1's); the first computation
     # waits for no backward value
     assert [backward_layers_before(i) for i in tagged] == [set(), {0, 1, 2}]
+
+
+def test_a_plan_that_recomputes_a_scan_body_value_is_applied(mesh24):
+    args = _mlp_args()
+    traced = trace_for_planning(functionalize(_sgd_step, args))
+    nodes = {path: traced.representative[(path, 0)] for path, k in traced.representative
+             if k == 0 and re.fullmatch(r"\d+s\d_\d+", path)}
+    tanh = {path: node for path, node in nodes.items() if traced.graph.nodes[node].opcode == "tanh"}
+    assert len(tanh) == 3 and all(traced.graph.nodes[n].phase == Phase.FORWARD
+                                  for n in tanh.values())
+    replicated = [((),) * len(node.shape.dims) for node in traced.graph.nodes]
+    fn, in_shardings, out_shardings = applied_function(traced, replicated, tanh.values(), mesh24)
+    text = lower_to_hlo(fn, *args)
+    for path in tanh:                             # each layer's tanh: computed, recomputed
+        assert len(re.findall(f"/k{path}/tanh", text)) == 2, path
+    applied = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+    _assert_close(applied(*args), _run(_sgd_step, *args))
 
 
 def test_a_checkpoint_in_the_scan_body_is_kept_as_the_model_wrote_it():
