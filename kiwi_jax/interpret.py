@@ -40,12 +40,15 @@ depends on nothing the collective produces, so the scheduler can run it while th
 in flight. Those recomputations run under the name scope ``lynx_overlap`` so that they can be
 found in the compiled HLO.
 
-A ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) the model applies, in a scan body or not, is
-planned around, not replaced: its equation (``remat2``, in the backward pass after autodiff) runs
-as one primitive, so the model's own recomputation happens as written and the plan shards its
-inputs and outputs and decides the rest of the step. ``while`` loops that are not scans
-(``lax.while_loop``, ``fori_loop`` with traced bounds) and ``cond`` run as one primitive too and
-are rejected by the operator graph (:mod:`hlo_tools.graph`).
+A ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) the model applies, in a scan body or around a
+scanned stack, is kept, not replaced: its equation (``remat2``, in the backward pass after
+autodiff) is inlined the way JAX lowers it, its body behind an optimization barrier on its
+inputs, so the model's recomputation still runs in the backward pass as written, its operators
+are planned one by one like the rest, and a scan inside it is unrolled like any other (a scan
+of the backward pass that runs the same way as a forward scan of its length recomputes it and
+takes its layers). ``while`` loops that are not scans (``lax.while_loop``, ``fori_loop`` with
+traced bounds) and ``cond`` run as one primitive and are rejected by the operator graph
+(:mod:`hlo_tools.graph`).
 
 References:
   KIWI (Liu et al.), sec. 3.2: a recomputed operator runs again just before its first backward
@@ -72,9 +75,11 @@ _TAG = re.compile(r"(?:^|[/(])k(\d+(?:[_s]\d+)*)(?=[/)]|$)")
 _UNIT = re.compile(r"\d+(?:s\d+_\d+)*")
 INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
-                 "core_call": "call_jaxpr"}
+                 "core_call": "call_jaxpr", "remat2": "jaxpr"}
 """Call-like primitives the interpreter inlines, each with the parameter holding its body: the
-body's equations run one by one, at paths ``<call path>_<index>``."""
+body's equations run one by one, at paths ``<call path>_<index>``. ``remat2`` (``jax.checkpoint``)
+is inlined the way JAX lowers it: its differentiated form behind an optimization barrier on the
+inputs it protects from CSE."""
 
 
 def inlined_call(eqn) -> tuple[object, tuple] | None:
@@ -164,7 +169,7 @@ class _Run:
     producer: dict = dataclasses.field(default_factory=dict)    # id(value) -> _Unit
     by_path: dict = dataclasses.field(default_factory=dict)     # path -> _Unit
     recomputed: dict = dataclasses.field(default_factory=dict)  # id(value) -> recomputed value
-    forward_scans: list = dataclasses.field(default_factory=list)  # [(length, first layer)]
+    forward_scans: list = dataclasses.field(default_factory=list)  # (length, reverse, first)
     next_layer: int = 0
 
 
@@ -205,6 +210,8 @@ class Interpreter:
             sub_jaxpr, sub_consts = body
             if len(invals) > len(sub_jaxpr.invars):          # custom_jvp_call's leading consts
                 invals = invals[len(invals) - len(sub_jaxpr.invars):]
+            if eqn.primitive.name == "remat2":
+                invals = self._checkpoint_barrier(eqn, invals, path, name_stack)
             with source_info_util.user_context(eqn.source_info.traceback,
                                                name_stack=name_stack):
                 outvals = self._eval(run, anchored, sub_jaxpr, sub_consts, invals, path,
@@ -223,6 +230,23 @@ class Interpreter:
                        for k, v in enumerate(outvals)]
         return list(outvals)
 
+    def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:
+        """The inputs of a ``jax.checkpoint`` body as its lowering passes them: once
+        differentiated, the ones it prevents CSE on go through one optimization barrier, so
+        the model's recomputation is not merged with the forward pass's values."""
+        prevent = eqn.params.get("prevent_cse", True)
+        prevent = (prevent,) * len(invals) if isinstance(prevent, bool) else tuple(prevent)
+        guarded = [i for i, flag in enumerate(prevent) if flag]
+        if not eqn.params.get("differentiated") or not guarded:
+            return invals
+        invals = [self._materialise(v) for v in invals]
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=name_stack.extend(f"k{path}")):
+            kept = jax.lax.optimization_barrier([invals[i] for i in guarded])
+        for i, value in zip(guarded, kept):
+            invals[i] = value
+        return invals
+
     def _scan(self, run, anchored, eqn, invals, path, name_stack, units, in_scan) -> list:
         """Unroll a ``scan`` equation; its stacked outputs stay per iteration (:class:`_Stacked`)."""
         jaxpr, consts, length = scan_body(eqn)
@@ -230,7 +254,8 @@ class Interpreter:
         fixed = [self._materialise(v) for v in invals[:n_consts]]
         carry = [self._materialise(v) for v in invals[n_consts:n_consts + n_carry]]
         xs = invals[n_consts + n_carry:]
-        first_layer = None if in_scan else self._first_layer(run, length, str(name_stack))
+        first_layer = None if in_scan else self._first_layer(
+            run, length, bool(eqn.params["reverse"]), str(name_stack))
         ys = [[None] * length for _ in eqn.outvars[n_carry:]]
         for i in (reversed(range(length)) if eqn.params["reverse"] else range(length)):
             stack = name_stack if first_layer is None else \
@@ -253,18 +278,24 @@ class Interpreter:
         return carry + stacked
 
     @staticmethod
-    def _first_layer(run: _Run, length: int, name_stack: str) -> int | None:
-        """The layer number of iteration 0 of an outermost scan: forward scans count layers in
-        order; a backward scan takes the numbers of the latest forward scan of its length not
-        yet paired (transposed scans run in reverse order). None for scans of neither pass."""
+    def _first_layer(run: _Run, length: int, reverse: bool, name_stack: str) -> int | None:
+        """The layer number of iteration 0 of an outermost scan. Forward scans count layers in
+        order. A scan of the backward pass that runs the other way is the transpose of the
+        latest forward scan of its length not yet paired (transposed scans come in reverse
+        order) and takes its numbers; one that runs the same way recomputes that forward scan
+        (a ``jax.checkpoint`` around the scan) and takes them too. None for scans of
+        neither pass (the optimizer's)."""
         if _is_forward(name_stack):
-            run.forward_scans.append((length, run.next_layer))
+            run.forward_scans.append((length, reverse, run.next_layer))
             run.next_layer += length
             return run.next_layer - length
         if is_backward(name_stack):
             for position in range(len(run.forward_scans) - 1, -1, -1):
-                if run.forward_scans[position][0] == length:
-                    return run.forward_scans.pop(position)[1]
+                found_length, found_reverse, first = run.forward_scans[position]
+                if found_length == length:
+                    if found_reverse != reverse:
+                        run.forward_scans.pop(position)
+                    return first
             run.next_layer += length
             return run.next_layer - length
         return None

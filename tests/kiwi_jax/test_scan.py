@@ -27,17 +27,23 @@ SIZES = {
 }
 
 
-def _loss(params, x, checkpoint=False):
-    """A residual MLP whose blocks (stacked weights ``[L, d, d]``) run under ``lax.scan``."""
+def _loss(params, x, checkpoint=None):
+    """A residual MLP whose blocks (stacked weights ``[L, d, d]``) run under ``lax.scan``;
+    ``checkpoint``: ``"body"`` (``jax.checkpoint`` on each block) or ``"stack"`` (around the
+    whole scan)."""
     def block(h, w):
         return h + jnp.tanh(h @ w)
 
-    body = jax.checkpoint(block) if checkpoint else block
-    h, _ = jax.lax.scan(lambda h, w: (body(h, w), None), x, params["blocks"])
+    body = jax.checkpoint(block) if checkpoint == "body" else block
+
+    def stack(x, blocks):
+        return jax.lax.scan(lambda h, w: (body(h, w), None), x, blocks)[0]
+
+    h = (jax.checkpoint(stack) if checkpoint == "stack" else stack)(x, params["blocks"])
     return jnp.mean((h @ params["head"]) ** 2)
 
 
-def _sgd_step(params, x, checkpoint=False):
+def _sgd_step(params, x, checkpoint=None):
     loss, grads = jax.value_and_grad(_loss)(params, x, checkpoint)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
@@ -178,16 +184,24 @@ def test_a_plan_that_recomputes_a_scan_body_value_is_applied(mesh24):
     _assert_close(applied(*args), _run(_sgd_step, *args))
 
 
-def test_a_checkpoint_in_the_scan_body_is_kept_as_the_model_wrote_it():
+@pytest.mark.parametrize("where", ["body", "stack"])
+def test_a_checkpoint_in_or_around_the_scan_is_kept_as_the_model_wrote_it(where):
     args = _mlp_args()
-    closed = trace_flat(lambda p, x: _sgd_step(p, x, checkpoint=True), *args)
+    step = jax.tree_util.Partial(_sgd_step, checkpoint=where)
+    closed = trace_flat(step, *args)
     scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    assert any(e.primitive.name == "remat2" for e in scans[-1].params["jaxpr"].jaxpr.eqns)
-    step = jax.tree_util.Partial(_sgd_step, checkpoint=True)
+    remat = [e for e in (scans[-1].params["jaxpr"].jaxpr if where == "body" else closed.jaxpr).eqns
+             if e.primitive.name == "remat2"]
+    assert remat                                  # the model's checkpoint, after autodiff
     traced = trace_for_planning(functionalize(step, args))
-    remat_tags = {tag_of(n.op_name) for n in traced.graph.nodes if n.opcode == "tanh"}
-    # forward tanh per layer, and the model's recomputed tanh in each backward iteration
-    assert len(remat_tags) == 6
+    graph = traced.graph
+    assert not any(n.opcode == "while" for n in graph.nodes)
+    tanh = [n for n in graph.nodes if n.opcode == "tanh"]
+    # each layer's tanh: in the forward pass, and again in the backward pass where the
+    # model's checkpoint recomputes it, in the same layer
+    assert len(tanh) == 6 and len({tag_of(n.op_name) for n in tanh}) == 6
+    assert sorted(n.layer for n in tanh) == [0, 0, 1, 1, 2, 2]
+    assert sum("transpose(" in n.op_name for n in tanh) == 3
     fn = _interpreted(step, args)
     assert "opt-barrier" in lower_to_hlo(fn, *args)
     _assert_close(_run(fn, *args), _run(step, *args))
