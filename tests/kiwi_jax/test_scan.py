@@ -15,7 +15,7 @@ from hlo_tools.hlo_text import parse_module
 from hlo_tools.layers import layer_report
 from hlo_tools.lower import lower_to_hlo
 from kiwi_jax.apply import applied_function, trace_for_planning
-from kiwi_jax.frontend import trace, trace_step
+from kiwi_jax.frontend import problem_for_step, trace, trace_step
 from kiwi_jax.interpret import Interpreter, is_unit, path_key, tag_of, trace_flat
 from kiwi_jax.step import functionalize
 
@@ -112,6 +112,16 @@ def test_iterations_are_layers_and_residuals_pass_one_layer_at_a_time(name):
     assert stacked and all(n.phase == Phase.BACKWARD for n in stacked)
     assert {n.shape.dims for n in stacked} <= set(stacked_params)
     assert all(graph.nodes[u].phase == Phase.OPTIMIZER for n in stacked for u in graph.users[n.id])
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_the_second_iteration_is_tied_to_the_first(name):
+    step, args = zoo.make(name, **SIZES[name])
+    problem = problem_for_step(step, *args, mesh="2x4")[0].problem
+    second = np.flatnonzero(problem.layer == 1)
+    tied = second[problem.ties[second] != second]
+    assert len(tied) / len(second) > 0.95
+    assert (problem.layer[problem.ties[tied]] == 0).mean() > 0.95
 
 
 def test_two_scans_of_layers_number_their_layers_one_after_the_other():
