@@ -36,8 +36,10 @@ _SCANS = ("kiwi-jax plans scans (lax.scan, nnx.scan, nn.scan, fori_loop with sta
           "unrolling them when it traces the step (kiwi_jax.optimize, kiwi_jax.frontend.trace)")
 _ADVICE = {
     "while": "expected no loop other than a scan: " + _SCANS + "; a lax.while_loop or a "
-             "fori_loop with traced bounds cannot be planned per operator: unroll it (a Python "
-             "for loop) or write it as lax.scan with a static length",
+             "fori_loop with traced bounds cannot be planned per operator: when its trip count "
+             "is known at trace time, write it as lax.scan with that length (or fori_loop with "
+             "static bounds, or a Python for loop); a loop whose trip count depends on the data "
+             "has to run outside the train step",
     "conditional": "expected no conditional (lax.cond, lax.switch): its branches cannot be "
                    "planned per operator; compute both branches and select the result "
                    "(jnp.where), or take the condition out of the train step (" + _SCANS + ")",

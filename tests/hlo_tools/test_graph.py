@@ -166,8 +166,8 @@ def _raw_scan(x):
 
 
 @pytest.mark.parametrize("fn,opcode,advice", [
-    pytest.param(_while_loop, "while", "unroll it .* or write it as lax.scan", id="while_loop"),
-    pytest.param(_traced_fori_loop, "while", "unroll it .* or write it as lax.scan",
+    pytest.param(_while_loop, "while", "write it as lax.scan with that length", id="while_loop"),
+    pytest.param(_traced_fori_loop, "while", "write it as lax.scan with that length",
                  id="fori_loop-traced-bounds"),
     pytest.param(_cond, "conditional", r"select the result \(jnp.where\)", id="cond"),
     # a scan lowered without kiwi-jax's interpreter is a while like the others; the message
