@@ -78,9 +78,10 @@ def _representatives(closed, graph: OpGraph) -> dict:
             scan = scan_body(eqn)
             # a scan's own nodes are the stacks of its outputs; its body's have their paths
             nodes = exact.get(path, []) if scan is not None else by_tag.get(path, [])
+            carried = int(eqn.params["num_carry"]) if scan is not None else 0
             for k, var in enumerate(eqn.outvars):
                 aval = var.aval
-                if not hasattr(aval, "shape"):
+                if not hasattr(aval, "shape") or k < carried:    # a final carry: the body's
                     continue
                 match = [n for n in nodes if graph.nodes[n].shape.dims == tuple(aval.shape)
                          and graph.nodes[n].opcode != "parameter"]
