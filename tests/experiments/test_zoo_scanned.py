@@ -11,7 +11,7 @@ import pytest
 import kiwi_jax
 from experiments import zoo
 from kiwi_jax.step import functionalize
-from tests.experiments.test_zoo import TINY
+from tests.experiments.test_zoo import FAST_COMPILE, TINY
 
 STEPS = 3
 LEARNING_RATE = 1e-3
@@ -52,7 +52,8 @@ def test_a_scanned_model_is_planned_per_layer_and_matches_the_plain_step(name, m
 
     pure = functionalize(step, args)
     copy = lambda: jax.tree.map(np.array, pure.args)  # noqa: E731
-    plain = _steps(jax.jit(pure.fn), copy(), prepared.state_out)
+    plain_step = jax.jit(pure.fn).lower(*pure.args).compile(compiler_options=FAST_COMPILE)
+    plain = _steps(plain_step, copy(), prepared.state_out)
     applied = _steps(prepared.compiled, jax.device_put(copy(), prepared.in_shardings),
                      prepared.state_out)
     for want, got in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(applied[1]), strict=True):
