@@ -6,8 +6,10 @@ away. An instruction with several results (a variadic ``reduce`` such as argmax'
 (value, index) pairs, ``topk``'s values and indices, a ``sort`` of several operands) becomes one
 node per result, named ``<instruction>#<index>``, each reading all the instruction's operands;
 results nothing reads are dropped with the other dead values. ``while`` and ``conditional``
-(from ``lax.scan``, ``lax.fori_loop``, ``lax.cond``) are not supported: their bodies run a
-data-dependent number of times and cannot be planned op by op.
+(``lax.while_loop``, ``fori_loop`` with traced bounds, ``lax.cond``) are not supported: their
+bodies run a data-dependent number of times or not at all and cannot be planned op by op.
+Scans reach the graph unrolled when kiwi-jax traces the step (:mod:`kiwi_jax.interpret`); a
+``lax.scan`` lowered directly is a ``while`` like the others.
 
 References:
   KIWI (Liu et al.), sec. 3: the graph G = (V, E) in topological order, forward and backward
@@ -30,6 +32,22 @@ __all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "gra
            "op_flops", "ZERO_FLOP_OPCODES"]
 
 UNSUPPORTED_CONTROL_FLOW = frozenset({"while", "conditional", "async-start", "send", "recv"})
+_SCANS = ("kiwi-jax plans scans (lax.scan, nnx.scan, nn.scan, fori_loop with static bounds) by "
+          "unrolling them when it traces the step (kiwi_jax.optimize, kiwi_jax.frontend.trace)")
+_ADVICE = {
+    "while": "expected no loop other than a scan: " + _SCANS + "; a lax.while_loop or a "
+             "fori_loop with traced bounds cannot be planned per operator: when its trip count "
+             "is known at trace time, write it as lax.scan with that length (or fori_loop with "
+             "static bounds, or a Python for loop); a loop whose trip count depends on the data "
+             "has to run outside the train step",
+    "conditional": "expected no conditional (lax.cond, lax.switch): its branches cannot be "
+                   "planned per operator; compute both branches and select the result "
+                   "(jnp.where), or take the condition out of the train step (" + _SCANS + ")",
+    "async-start": "expected synchronous operators: compute this asynchronous operation "
+                   "outside the train step",
+}
+_ADVICE["send"] = _ADVICE["recv"] = ("expected no host or peer transfer inside the train step: "
+                                     "send and receive outside it")
 ZERO_FLOP_OPCODES = frozenset({
     "parameter", "constant", "iota", "broadcast", "reshape", "transpose", "bitcast", "copy",
     "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "convert",
@@ -180,9 +198,7 @@ class _Builder:
             if instr.opcode in UNSUPPORTED_CONTROL_FLOW:
                 raise UnsupportedOpError(
                     f"unsupported HLO opcode {instr.opcode!r} ({instr.name}, op_name "
-                    f"{instr.op_name!r}): loops and conditionals (lax.scan, fori_loop, cond, "
-                    "nnx.scan) cannot be planned per operator; unroll the loop (e.g. a Python for "
-                    "loop over layers, or scan(..., unroll=True)) before planning")
+                    f"{instr.op_name!r}): {_ADVICE.get(instr.opcode, _ADVICE['while'])}")
             if instr.opcode == "call":
                 callee = self.module.computations[instr.attrs["to_apply"]]
                 env[instr.name] = self._inline(

@@ -52,7 +52,10 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    them) take their readers' layer when all readers are in one layer.
 
 Named scopes win: :func:`hlo_tools.graph.build_graph` calls this only for a step without
-``layer_<i>`` scopes. :func:`layer_report` checks the result: nodes per layer and phase, and
+``layer_<i>`` scopes. Scanned layers are one of those: their parameters are stacked in one leaf
+per weight with a leading layers axis, which this finder does not split, and kiwi-jax's
+interpreter gives every scan iteration a ``layer_<i>`` scope instead (the stacked leaf, read by
+every layer through its slice, stays outside layers). :func:`layer_report` checks the result: nodes per layer and phase, and
 whether every layer has layer 0's operators.
 
 References:

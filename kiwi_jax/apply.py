@@ -5,8 +5,11 @@ The plan is made on the operator graph of the *interpreted* step (see :mod:`kiwi
 whose HLO instructions carry the path of the jaxpr equation that produced them. Each equation
 output is enforced at one node, its representative: the last node of that equation (or of the
 call it inlines) with the output's dimensions (and, for an equation of several outputs such as
-``top_k``'s values and indices, its element type). A top-level forward equation is recomputed
-when the plan recomputes one of its representatives.
+``top_k``'s values and indices, its element type). A forward recompute unit (a top-level
+equation or one of an unrolled scan body, :func:`kiwi_jax.interpret.is_unit`) is recomputed when
+the plan recomputes one of its representatives. A scan's own outputs are represented by the
+stacks of its per-iteration outputs (nodes tagged with the scan's path exactly), never by a
+node of its body.
 
 References:
   KIWI (Liu et al.), sec. 3: the plan picks a strategy s_i per operator and a keep flag m_i per
@@ -25,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import argument_paths, lower_to_hlo
-from kiwi_jax.interpret import Interpreter, inlined_call, tag_of, trace_flat
+from kiwi_jax.interpret import Interpreter, inlined_call, is_unit, scan_body, tag_of, trace_flat
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep
 
@@ -58,10 +61,12 @@ class TracedStep:
 
 def _representatives(closed, graph: OpGraph) -> dict:
     by_tag: dict[str, list[int]] = {}
+    exact: dict[str, list[int]] = {}
     for node in graph.nodes:
         tag = tag_of(node.op_name)
         if tag is None:
             continue
+        exact.setdefault(tag, []).append(node.id)
         parts = tag.split("_")
         for depth in range(1, len(parts) + 1):            # a node belongs to every enclosing call
             by_tag.setdefault("_".join(parts[:depth]), []).append(node.id)
@@ -70,10 +75,13 @@ def _representatives(closed, graph: OpGraph) -> dict:
     def visit(jaxpr, prefix):
         for index, eqn in enumerate(jaxpr.eqns):
             path = f"{prefix}_{index}" if prefix else str(index)
-            nodes = by_tag.get(path, [])
+            scan = scan_body(eqn)
+            # a scan's own nodes are the stacks of its outputs; its body's have their paths
+            nodes = exact.get(path, []) if scan is not None else by_tag.get(path, [])
+            carried = int(eqn.params["num_carry"]) if scan is not None else 0
             for k, var in enumerate(eqn.outvars):
                 aval = var.aval
-                if not hasattr(aval, "shape"):
+                if not hasattr(aval, "shape") or k < carried:    # a final carry: the body's
                     continue
                 match = [n for n in nodes if graph.nodes[n].shape.dims == tuple(aval.shape)
                          and graph.nodes[n].opcode != "parameter"]
@@ -85,6 +93,9 @@ def _representatives(closed, graph: OpGraph) -> dict:
             body = inlined_call(eqn)          # the interpreter's paths inside inlined calls
             if body is not None:
                 visit(body[0], path)
+            if scan is not None:              # and in every iteration of an unrolled scan
+                for i in range(scan[2]):
+                    visit(scan[0], f"{path}s{i}")
     visit(closed.jaxpr, "")
     return result
 
@@ -157,7 +168,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     constraints, recompute = {}, set()
     for (path, k), node in traced.representative.items():
         constraints[(path, k)] = sharding(specs[node])
-        if "_" not in path and node in recompute_nodes and \
+        if is_unit(path) and node in recompute_nodes and \
                 graph.nodes[node].phase == Phase.FORWARD:
             recompute.add(path)
 
@@ -171,7 +182,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     top = {node: paths[node][0] for node in (beside or {}) if node in paths}
     anchors = {top[node]: paths[anchor][0] for node, anchor in (beside or {}).items()
                if node in top and top[node] in recompute and anchor in paths
-               and "_" not in paths[anchor][0]}
+               and is_unit(paths[anchor][0])}
     interpreter = Interpreter(traced.closed, constrain=constrain, recompute=frozenset(recompute),
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains

@@ -5,19 +5,50 @@ interpreter evaluates it in order, inlining nested ``jit`` and custom-derivative
 every equation inside a name scope ``k<path>`` so that each HLO instruction it lowers to carries
 the equation's path in its ``op_name``: the operator graph built from the interpreted step maps
 every node back to the equation that produced it. The original name stack (``jvp(...)``,
-``transpose(jvp(...))``, ``layer_<i>``) is kept, so phases and layers are unchanged, and with no
+``transpose(...)``, ``layer_<i>``) is kept, so phases and layers are unchanged, and with no
 plan the interpreted step computes exactly what the plain step computes.
 
+Paths: ``12`` is the top-level equation 12; ``12_3`` equation 3 of the call inlined at 12;
+``12s4_3`` equation 3 of the body of the ``scan`` at 12 in its iteration 4 (the ``s`` marks an
+iteration, so no scan path can be read as a call path); they nest (``12s4_3_1``,
+``12s4_3s0_2``).
+
+Scans (``lax.scan``, ``nnx.scan``, ``nn.scan``, ``fori_loop`` with static bounds) are unrolled:
+iteration i (the index into the scanned inputs, visited last to first for a reverse scan)
+evaluates the body at paths ``<scan>s<i>_<j>`` on the constants, the carry and the i-th slice of
+the scanned inputs; the stacked outputs are kept as per-iteration values and stacked (under the
+scan's own scope ``k<scan>``) only when an equation other than a scan reads them, so the
+residuals a forward scan hands to its backward scan pass one layer at a time and the program
+never holds a concatenation of all layers' residuals. Each iteration of a scan of the forward or
+backward pass that is not inside another scan runs inside a ``layer_<i>`` name scope: the
+forward scan and its backward (transposed) scan give layer i the same number, and a second scan
+of layers (an encoder's after a decoder's) continues the count, so the graph's layers and the
+solvers' ties across layers see one layer per iteration. The planned step is therefore
+unrolled: its program grows with the number of layers, unlike the user's scan.
+
 A plan enters through two callbacks: ``constrain(path, index, value)`` after every equation (the
-sharding constraint of a planned value) and ``recompute`` (the paths of top-level forward
-equations whose outputs are dropped after the forward pass and recomputed right before their
-first backward reader, behind an optimization barrier tied to that reader's other inputs, as
-``jax.checkpoint`` does internally). With ``beside`` (Lynx), a dropped value is recomputed
-instead when the interpreter reaches a given backward equation (one that issues a collective),
-behind a barrier tied to that equation's inputs: the recomputation becomes ready together with
-the collective's operand and depends on nothing the collective produces, so the scheduler can
-run it while the collective is in flight. Those recomputations run under the name scope
-``lynx_overlap`` so that they can be found in the compiled HLO.
+sharding constraint of a planned value) and ``recompute`` (the paths of forward equations, at
+top level or in an unrolled scan body, whose outputs are dropped after the forward pass and
+recomputed right before their first backward reader, at top level or in an unrolled backward
+scan, behind an optimization barrier tied to that reader's other inputs, as ``jax.checkpoint``
+does internally). Dropped values are followed by identity through the scans' plumbing (a
+forward body's output stacked as a residual is the same value its backward iteration reads).
+With ``beside`` (Lynx), a dropped value is recomputed instead when the interpreter reaches a
+given backward equation (one that issues a collective), behind a barrier tied to that
+equation's inputs: the recomputation becomes ready together with the collective's operand and
+depends on nothing the collective produces, so the scheduler can run it while the collective is
+in flight. Those recomputations run under the name scope ``lynx_overlap`` so that they can be
+found in the compiled HLO.
+
+A ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) the model applies, in a scan body or around a
+scanned stack, is kept, not replaced: its equation (``remat2``, in the backward pass after
+autodiff) is inlined the way JAX lowers it, its body behind an optimization barrier on its
+inputs, so the model's recomputation still runs in the backward pass as written, its operators
+are planned one by one like the rest, and a scan inside it is unrolled like any other (a scan
+of the backward pass that runs the same way as a forward scan of its length recomputes it and
+takes its layers). ``while`` loops that are not scans (``lax.while_loop``, ``fori_loop`` with
+traced bounds) and ``cond`` run as one primitive and are rejected by the operator graph
+(:mod:`hlo_tools.graph`).
 
 References:
   KIWI (Liu et al.), sec. 3.2: a recomputed operator runs again just before its first backward
@@ -36,17 +67,20 @@ import jax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 
-__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "INLINED_CALLS",
-           "OVERLAP_SCOPE"]
+__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "is_unit",
+           "path_key", "INLINED_CALLS", "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
 
-_TAG = re.compile(r"(?:^|[/(])k(\d+(?:_\d+)*)(?=[/)]|$)")
+_TAG = re.compile(r"(?:^|[/(])k(\d+(?:[_s]\d+)*)(?=[/)]|$)")
+_UNIT = re.compile(r"\d+(?:s\d+_\d+)*")
 INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
-                 "core_call": "call_jaxpr"}
+                 "core_call": "call_jaxpr", "remat2": "jaxpr"}
 """Call-like primitives the interpreter inlines, each with the parameter holding its body: the
-body's equations run one by one, at paths ``<call path>_<index>``."""
+body's equations run one by one, at paths ``<call path>_<index>``. ``remat2`` (``jax.checkpoint``)
+is inlined the way JAX lowers it: its differentiated form behind an optimization barrier on the
+inputs it protects from CSE."""
 
 
 def inlined_call(eqn) -> tuple[object, tuple] | None:
@@ -57,6 +91,27 @@ def inlined_call(eqn) -> tuple[object, tuple] | None:
         return None
     body = eqn.params[param]
     return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
+
+
+def scan_body(eqn) -> tuple[object, tuple, int] | None:
+    """``(jaxpr, consts, length)`` of a ``scan`` equation's body, which the interpreter unrolls
+    (iteration i at paths ``<scan path>s<i>_<index>``); None for any other equation."""
+    if eqn.primitive.name != "scan":
+        return None
+    body = eqn.params["jaxpr"]
+    return body.jaxpr, body.consts, int(eqn.params["length"])
+
+
+def is_unit(path: str) -> bool:
+    """Whether ``path`` is a recompute unit: a top-level equation (``12``) or an equation of an
+    unrolled scan body reached through scans only (``12s4_3``, ``12s4_3s0_2``), not one inside
+    an inlined call (``12_3``)."""
+    return _UNIT.fullmatch(path) is not None
+
+
+def path_key(path: str) -> tuple[int, ...]:
+    """A sort key of paths: their numbers, outermost first (``12s4_3`` -> ``(12, 4, 3)``)."""
+    return tuple(int(n) for n in re.findall(r"\d+", path))
 
 
 def tag_of(op_name: str) -> str | None:
@@ -71,26 +126,65 @@ def trace_flat(fn, *args):
     return jax.make_jaxpr(fn)(*args)
 
 
-def _order(path: str) -> int:
-    return int(path.split("_")[0])
-
-
 def is_backward(name_stack: str) -> bool:
     """Backward equations carry ``transpose(`` in their name stack."""
     return "transpose(" in name_stack
 
 
+def _is_forward(name_stack: str) -> bool:
+    return "jvp(" in name_stack and not is_backward(name_stack)
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "shape") and not isinstance(value, _Stacked)
+
+
+@dataclasses.dataclass(eq=False)
+class _Stacked:
+    """A scan's stacked output kept as its per-iteration values (index order); stacked once,
+    under the scan's scope, when an equation other than a scan reads it."""
+
+    items: list
+    path: str
+    index: int
+    name_stack: object
+    traceback: object
+    stacked: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """A dropped forward equation as it ran: what rerunning it needs."""
+
+    eqn: object
+    path: str
+    name_stack: object
+    invals: tuple
+    outvals: tuple
+
+
+@dataclasses.dataclass
+class _Run:
+    """State of one evaluation of the step."""
+
+    producer: dict = dataclasses.field(default_factory=dict)    # id(value) -> _Unit
+    by_path: dict = dataclasses.field(default_factory=dict)     # path -> _Unit
+    recomputed: dict = dataclasses.field(default_factory=dict)  # id(value) -> recomputed value
+    forward_scans: list = dataclasses.field(default_factory=list)  # (length, reverse, first)
+    next_layer: int = 0
+
+
 @dataclasses.dataclass
 class Interpreter:
-    """Evaluates a closed jaxpr, tagging equations and applying a plan.
+    """Evaluates a closed jaxpr, tagging equations, unrolling scans and applying a plan.
 
     Attributes:
       closed: the step's closed jaxpr.
       constrain: ``constrain(path, output_index, value) -> value`` or None.
-      recompute: paths of top-level forward equations to drop and recompute; non-backward
-        readers (the optimizer) keep reading the original values.
-      beside: ``{dropped path: anchor path}``: recompute these when the top-level backward
-        equation at the anchor path is reached, tied to its inputs (see the module notes).
+      recompute: paths of forward recompute units (:func:`is_unit`) to drop and recompute;
+        non-backward readers (the optimizer) keep reading the original values.
+      beside: ``{dropped path: anchor path}``: recompute these when the backward unit at the
+        anchor path is reached, tied to its inputs (see the module notes).
       chained: paths in ``recompute`` whose recomputation is read by other recomputations (a
         chain inside a layer): a recomputation reading one of them recomputes it first instead
         of reading the value of the forward pass.
@@ -103,19 +197,32 @@ class Interpreter:
     chained: frozenset = frozenset()
 
     def __call__(self, *args_flat) -> list:
-        return self._eval(self.closed.jaxpr, self.closed.consts, list(args_flat), "", top=True)
+        run = _Run()
+        anchored: dict[str, list[str]] = {}
+        for dropped, anchor in self.beside.items():
+            anchored.setdefault(anchor, []).append(dropped)
+        outs = self._eval(run, anchored, self.closed.jaxpr, self.closed.consts, list(args_flat),
+                          "", units=True, in_scan=False)
+        return [self._materialise(v) for v in outs]
 
-    def _bind(self, eqn, invals, path: str, name_stack):
-        """Run one equation (inlining calls) and constrain its outputs."""
+    def _bind(self, run, anchored, eqn, invals, path: str, name_stack, units: bool,
+              in_scan: bool):
+        """Run one equation (inlining calls, unrolling scans) and constrain its outputs."""
         body = inlined_call(eqn)
-        if body is not None:
+        if scan_body(eqn) is not None:
+            outvals = self._scan(run, anchored, eqn, invals, path, name_stack, units, in_scan)
+        elif body is not None:
             sub_jaxpr, sub_consts = body
             if len(invals) > len(sub_jaxpr.invars):          # custom_jvp_call's leading consts
                 invals = invals[len(invals) - len(sub_jaxpr.invars):]
+            if eqn.primitive.name == "remat2":
+                invals = self._checkpoint_barrier(eqn, invals, path, name_stack)
             with source_info_util.user_context(eqn.source_info.traceback,
                                                name_stack=name_stack):
-                outvals = self._eval(sub_jaxpr, sub_consts, invals, path, top=False)
+                outvals = self._eval(run, anchored, sub_jaxpr, sub_consts, invals, path,
+                                     units=False, in_scan=in_scan)
         else:
+            invals = [self._materialise(v) for v in invals]
             params = eqn.primitive.get_bind_params(eqn.params)
             with source_info_util.user_context(
                     eqn.source_info.traceback, name_stack=name_stack.extend(f"k{path}")), \
@@ -124,75 +231,163 @@ class Interpreter:
             if not eqn.primitive.multiple_results:
                 outvals = [outvals]
         if self.constrain is not None:
-            outvals = [self.constrain(path, k, v) for k, v in enumerate(outvals)]
+            outvals = [v if isinstance(v, _Stacked) else self.constrain(path, k, v)
+                       for k, v in enumerate(outvals)]
         return list(outvals)
 
-    def _eval(self, jaxpr, consts, args, prefix: str, top: bool) -> list:
+    def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:
+        """The inputs of a ``jax.checkpoint`` body as its lowering passes them: once
+        differentiated, the ones it prevents CSE on go through one optimization barrier, so
+        the model's recomputation is not merged with the forward pass's values."""
+        prevent = eqn.params.get("prevent_cse", True)
+        prevent = (prevent,) * len(invals) if isinstance(prevent, bool) else tuple(prevent)
+        guarded = [i for i, flag in enumerate(prevent) if flag]
+        if not eqn.params.get("differentiated") or not guarded:
+            return invals
+        invals = [self._materialise(v) for v in invals]
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=name_stack.extend(f"k{path}")):
+            kept = jax.lax.optimization_barrier([invals[i] for i in guarded])
+        for i, value in zip(guarded, kept):
+            invals[i] = value
+        return invals
+
+    def _scan(self, run, anchored, eqn, invals, path, name_stack, units, in_scan) -> list:
+        """Unroll a ``scan`` equation; its stacked outputs stay per iteration (:class:`_Stacked`)."""
+        jaxpr, consts, length = scan_body(eqn)
+        n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+        fixed = [self._materialise(v) for v in invals[:n_consts]]
+        carry = [self._materialise(v) for v in invals[n_consts:n_consts + n_carry]]
+        xs = invals[n_consts + n_carry:]
+        first_layer = None if in_scan else self._first_layer(
+            run, length, bool(eqn.params["reverse"]), str(name_stack))
+        ys = [[None] * length for _ in eqn.outvars[n_carry:]]
+        for i in (reversed(range(length)) if eqn.params["reverse"] else range(length)):
+            stack = name_stack if first_layer is None else \
+                name_stack.extend(f"layer_{first_layer + i}")
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+                sliced = [x.items[i] if isinstance(x, _Stacked) else
+                          jax.lax.index_in_dim(x, i, axis=0, keepdims=False) for x in xs]
+                outs = self._eval(run, anchored, jaxpr, consts, fixed + carry + sliced,
+                                  f"{path}s{i}", units=units, in_scan=True)
+            carry = [self._materialise(v) for v in outs[:n_carry]]
+            for k, y in enumerate(outs[n_carry:]):
+                ys[k][i] = self._materialise(y)
+        stacked = []
+        for k, (items, var) in enumerate(zip(ys, eqn.outvars[n_carry:])):
+            if length == 0:
+                stacked.append(jax.numpy.zeros(var.aval.shape, var.aval.dtype))
+            else:
+                stacked.append(_Stacked(items, path, n_carry + k, name_stack,
+                                        eqn.source_info.traceback))
+        return carry + stacked
+
+    @staticmethod
+    def _first_layer(run: _Run, length: int, reverse: bool, name_stack: str) -> int | None:
+        """The layer number of iteration 0 of an outermost scan. Forward scans count layers in
+        order. A scan of the backward pass that runs the other way is the transpose of the
+        latest forward scan of its length not yet paired (transposed scans come in reverse
+        order) and takes its numbers; one that runs the same way recomputes that forward scan
+        (a ``jax.checkpoint`` around the scan) and takes them too. None for scans of
+        neither pass (the optimizer's)."""
+        if _is_forward(name_stack):
+            run.forward_scans.append((length, reverse, run.next_layer))
+            run.next_layer += length
+            return run.next_layer - length
+        if is_backward(name_stack):
+            for position in range(len(run.forward_scans) - 1, -1, -1):
+                found_length, found_reverse, first = run.forward_scans[position]
+                if found_length == length:
+                    if found_reverse != reverse:
+                        run.forward_scans.pop(position)
+                    return first
+            run.next_layer += length
+            return run.next_layer - length
+        return None
+
+    def _materialise(self, value):
+        """A stacked scan output as one array (stacked once, constrained as the scan's)."""
+        if not isinstance(value, _Stacked):
+            return value
+        if value.stacked is None:
+            with source_info_util.user_context(
+                    value.traceback, name_stack=value.name_stack.extend(f"k{value.path}")):
+                stacked = jax.lax.concatenate(
+                    [jax.lax.expand_dims(item, (0,)) for item in value.items], 0)
+            if self.constrain is not None:
+                stacked = self.constrain(value.path, value.index, stacked)
+            value.stacked = stacked
+        return value.stacked
+
+    def _eval(self, run, anchored, jaxpr, consts, args, prefix: str, units: bool,
+              in_scan: bool) -> list:
         env: dict = {}
-        producer: dict = {}          # var -> (eqn, path, name_stack) of recomputable eqns
-        recomputed: dict = {}        # var -> value recomputed for the backward pass
 
         def read(v):
             return v.val if isinstance(v, jax_core.Literal) else env[v]
 
-        anchored: dict[str, list[str]] = {}
-        for dropped, anchor in (self.beside.items() if top else ()):
-            anchored.setdefault(anchor, []).append(dropped)
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for index, eqn in enumerate(jaxpr.eqns):
             path = f"{prefix}_{index}" if prefix else str(index)
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [read(v) for v in eqn.invars]
-            if top and is_backward(str(eqn.source_info.name_stack)):
-                invals = self._substitute(eqn, invals, producer, recomputed, read)
-                for dropped in sorted(anchored.get(path, ()), key=_order):
-                    self._recompute(dropped, producer, recomputed, read, invals)
-            outvals = self._bind(eqn, invals, path, name_stack)
+            if units and is_backward(str(name_stack)) and scan_body(eqn) is None:
+                invals = self._substitute(run, invals)
+                for dropped in sorted(anchored.get(path, ()), key=path_key):
+                    self._recompute(run, dropped, invals)
+            outvals = self._bind(run, anchored, eqn, invals, path, name_stack, units, in_scan)
+            if units and path in self.recompute and scan_body(eqn) is None:
+                unit = _Unit(eqn, path, name_stack, tuple(invals), tuple(outvals))
+                run.by_path[path] = unit
+                for out in outvals:
+                    if _is_array(out) and not any(out is v for v in invals):
+                        run.producer[id(out)] = unit
             for var, val in zip(eqn.outvars, outvals):
                 if not isinstance(var, jax_core.DropVar):
                     env[var] = val
-                    if top and path in self.recompute:
-                        producer[var] = (eqn, path, name_stack)
         return [read(v) for v in jaxpr.outvars]
 
-    def _recompute(self, dropped: str, producer, recomputed, read, anchor_invals) -> None:
-        """Recompute the equation at ``dropped`` now, tied to ``anchor_invals``."""
-        found = [(var, entry) for var, entry in producer.items() if entry[1] == dropped]
-        if found and found[0][0] not in recomputed:
-            tie = [v for v in anchor_invals if hasattr(v, "shape")]
-            self._rerun(found[0][1], tie, recomputed, {}, read, scope=OVERLAP_SCOPE)
+    def _current(self, run, value):
+        """A value as the backward pass sees it: recomputed when it was."""
+        return run.recomputed.get(id(value), value) if _is_array(value) else value
 
-    def _rerun(self, entry, tie, recomputed, producer, read, scope: str | None = None) -> None:
-        """Run a producer equation again behind an optimization barrier tied to ``tie`` and
-        record its outputs as recomputed. Inputs from :attr:`chained` equations that were not
-        recomputed yet are recomputed first, tied to the same values; the others are read as
-        they are (recomputed, or as the forward pass left them). Lynx's recomputations beside a
-        collective pass no ``producer``: its plans recompute one level (KIWI's eq. 9)."""
-        src_eqn, path, name_stack = entry
-        for v in src_eqn.invars:
-            if not isinstance(v, jax_core.Literal) and v in producer and v not in recomputed \
-                    and producer[v][1] in self.chained:
-                self._rerun(producer[v], tie, recomputed, producer, read, scope)
-        current = [recomputed[v] if not isinstance(v, jax_core.Literal) and v in recomputed
-                   else read(v) for v in src_eqn.invars]
-        inputs, _ = jax.lax.optimization_barrier((current, tie))
-        outs = self._bind(src_eqn, inputs, path,
-                          name_stack if scope is None else name_stack.extend(scope))
-        for out_var, out in zip(src_eqn.outvars, outs):
-            recomputed[out_var] = out
+    def _recompute(self, run, dropped: str, anchor_invals) -> None:
+        """Recompute the unit at ``dropped`` now, tied to ``anchor_invals``."""
+        unit = run.by_path.get(dropped)
+        if unit is not None and not any(id(v) in run.recomputed for v in unit.outvals):
+            tie = [v for v in anchor_invals if _is_array(v)]
+            self._rerun(run, unit, tie, scope=OVERLAP_SCOPE, chain=False)
 
-    def _substitute(self, eqn, invals, producer, recomputed, read):
+    def _rerun(self, run, unit: _Unit, tie, scope: str | None = None, chain: bool = True) -> None:
+        """Run a dropped unit again behind an optimization barrier tied to ``tie`` and record
+        its outputs as recomputed. With ``chain``, the :attr:`chained` units it reads that were
+        not recomputed yet are recomputed first, tied to the same values (Lynx's
+        recomputations beside a collective recompute one level, KIWI's eq. 9)."""
+        for value in unit.invals:
+            source = run.producer.get(id(value)) if chain and _is_array(value) else None
+            if source is not None and source.path in self.chained \
+                    and id(value) not in run.recomputed:
+                self._rerun(run, source, tie, scope)
+        inputs, _ = jax.lax.optimization_barrier(
+            ([self._current(run, v) for v in unit.invals], tie))
+        outs = self._bind(run, {}, unit.eqn, inputs, unit.path,
+                          unit.name_stack if scope is None else unit.name_stack.extend(scope),
+                          units=False, in_scan=True)
+        for original, out in zip(unit.outvals, outs):
+            if _is_array(original):
+                run.recomputed[id(original)] = out
+
+    def _substitute(self, run, invals):
         """Replace reads of dropped forward values by their recomputation."""
-        dropped = [i for i, v in enumerate(eqn.invars)
-                   if not isinstance(v, jax_core.Literal) and v in producer]
+        dropped = [i for i, v in enumerate(invals) if _is_array(v) and id(v) in run.producer]
         if not dropped:
             return invals
-        anchor = [val for i, (v, val) in enumerate(zip(eqn.invars, invals)) if i not in dropped
-                  and not isinstance(v, jax_core.Literal)]
+        anchor = [v for i, v in enumerate(invals) if i not in dropped and _is_array(v)]
+        invals = list(invals)
         for i in dropped:
-            var = eqn.invars[i]
-            if var not in recomputed:
-                self._rerun(producer[var], anchor or invals, recomputed, producer, read)
-            invals[i] = recomputed[var]
+            if id(invals[i]) not in run.recomputed:
+                self._rerun(run, run.producer[id(invals[i])], anchor or
+                            [v for v in invals if _is_array(v)])
+            invals[i] = run.recomputed[id(invals[i])]
         return invals

@@ -108,6 +108,10 @@ def test_the_scanned_models_scan_their_layers(name):
         fn = step
     found = _primitives(jax.make_jaxpr(fn)(*args).jaxpr)
     assert ("scan" in found) == (name in zoo.SCANNED), sorted(found)
+    traced = zoo_study.traced_row(name, TINY[name])
+    assert traced["lowers"], traced
+    if name in zoo.SCANNED:             # kiwi-jax unrolls the scan: a layer per iteration
+        assert traced["layers_found"] == TINY[name]["layers"] == 2
 
 
 def test_zoo_study_quick(tmp_path, monkeypatch, capsys):

@@ -149,12 +149,35 @@ def test_calls_are_inlined_tagged_and_stable(gpt_graph):
     assert [n.name for n in again.nodes] == [n.name for n in gpt_graph.nodes]
 
 
-def test_unrolled_loops_are_required():
-    def scanned(x):
-        return jax.lax.scan(lambda c, _: (c * 2.0, None), x, None, length=3)[0]
+def _while_loop(x):
+    return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x))[1]
 
-    with pytest.raises(UnsupportedOpError, match="'while'.*unroll"):
-        lower_to_graph(scanned, jax.ShapeDtypeStruct((4,), jnp.float32))
+
+def _traced_fori_loop(x):
+    return jax.lax.fori_loop(0, x.shape[0] + jnp.int32(x[0] > 0), lambda i, c: c * 2.0, x)
+
+
+def _cond(x):
+    return jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)
+
+
+def _raw_scan(x):
+    return jax.lax.scan(lambda c, _: (c * 2.0, None), x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("fn,opcode,advice", [
+    pytest.param(_while_loop, "while", "write it as lax.scan with that length", id="while_loop"),
+    pytest.param(_traced_fori_loop, "while", "write it as lax.scan with that length",
+                 id="fori_loop-traced-bounds"),
+    pytest.param(_cond, "conditional", r"select the result \(jnp.where\)", id="cond"),
+    # a scan lowered without kiwi-jax's interpreter is a while like the others; the message
+    # names the entry points that unroll it
+    pytest.param(_raw_scan, "while", r"kiwi_jax.optimize", id="scan-lowered-directly"),
+])
+def test_loops_and_conditionals_are_rejected_with_what_is_supported(fn, opcode, advice):
+    with pytest.raises(UnsupportedOpError, match=f"'{opcode}'.*{advice}") as error:
+        lower_to_graph(fn, jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert opcode != "while" or "lax.scan, nnx.scan, nn.scan" in str(error.value)
 
 
 def _accuracy_step(w, x, labels):
