@@ -10,7 +10,9 @@ traced, each block module's ``__call__`` runs under the policy:
 - Flax Linen: ``flax.linen.intercept_methods`` runs the block modules' ``__call__`` (found by
   their scope path) under ``nn.checkpoint(policy=...)``.
 
-A model whose blocks are not separate sub-trees (layers stacked for ``nn.scan`` or
+A step decorated with ``jax.jit`` is traced through its Python function (``__wrapped__``):
+jit's cache would otherwise reuse a trace made without the policy. A model whose blocks are
+not separate sub-trees (layers stacked for ``nn.scan`` or
 ``nnx.scan``) or whose block modules are never called raises :class:`BlockPolicyError`.
 
 References:
@@ -116,6 +118,8 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
             "jax.checkpoint(policy=...) (nn.remat / nnx.remat) around the scanned body in the "
             "model, or use the recipe's policy 'none'")
     checkpoint_policy = getattr(jax.checkpoint_policies, policy)
+    while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
+        train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
     wanted = {_norm(p) for p in paths}
     positions = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
 

@@ -12,7 +12,7 @@ step, derived from its parameter tree and its traced program, never from per-mod
   both mesh axes; when none divides, the largest dimension divisible by one axis (the larger
   first); else replicated. The batch over all devices.
 - ``tp`` (Megatron): the second mesh axis splits each kernel as its data flow says
-  (:func:`tensor_parallel_roles`); the batch over the first axis.
+  (:func:`data_flow`); the batch over the first axis.
 - ``fsdp+tp``: the ``tp`` split on the second axis, and FSDP on the first axis over the
   largest remaining dimension divisible by its size; the batch over the first axis.
 
@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 from hlo_tools.lower import argument_paths
 from kiwi_jax.step import PureStep
 
-__all__ = ["SHARDINGS", "StateLeaves", "state_leaves", "tensor_parallel_roles",
+__all__ = ["SHARDINGS", "StateLeaves", "state_leaves", "DataFlow", "data_flow",
+           "parameters",
            "recipe_specs"]
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,12 @@ SHARDINGS = ("dp", "fsdp", "tp", "fsdp+tp")
 _ALIASING = {"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"}
 """Primitives whose output is their operand with the same dimensions (a parameter read through
 them is still that parameter)."""
+
+_LOOPS = {"scan", "while"}
+"""Loop primitives: their parameters are layers stacked for a scan."""
+_OPAQUE = _LOOPS | {"cond", "switch"}
+"""Primitives whose sub-programs are not followed (a loop body's inputs are not its
+operands one to one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +110,11 @@ def state_leaves(pure: PureStep) -> StateLeaves:
     return StateLeaves(paths, count, tuple(keys), tuple(follows))
 
 
+def parameters(leaves: StateLeaves) -> set:
+    """Indices of the parameter leaves."""
+    return {i for i, k in enumerate(leaves.param_key) if k is not None}
+
+
 # --------------------------------------------------------------------------- tensor parallel
 @dataclasses.dataclass(frozen=True)
 class _Value:
@@ -120,48 +132,62 @@ def _sub_jaxprs(eqn) -> list:
     return found
 
 
-def tensor_parallel_roles(pure: PureStep, params: set) -> dict:
-    """Per parameter leaf read first by a matrix product or a gather, its Megatron role and the
-    dimension to split: ``{leaf: (role, dim)}`` with role ``"column"`` (the kernel's output
-    features: a free dimension of the product), ``"row"`` (its input features: a contracted
-    dimension) or ``"vocab"`` (an embedding table's rows, read by a gather).
+@dataclasses.dataclass(frozen=True)
+class DataFlow:
+    """What the step's program does with its parameters."""
 
-    The roles come from the data flow of the step's program, as GSPMD propagates a sharding:
-    a kernel whose product reads a value with unsplit features (the residual stream, through a
-    norm) is column-split and splits its output's features; the split carries through
-    elementwise operations, reshapes and products of two activations (attention's scores and
-    weighted sum, per head); a kernel whose product reads split features is row-split, and its
-    output (after the all-reduce) is unsplit again. A gather's output is unsplit. Only a
-    parameter's first reader counts (the forward pass runs before the backward pass).
+    roles: dict
+    """Per parameter leaf read first by a matrix product or a gather, its Megatron role and the
+    dimensions it may be split on: ``{leaf: (role, dims)}`` (see :func:`data_flow`)."""
+    looped: frozenset
+    """Parameter leaves read by a loop (``scan``, ``while``): layers stacked for a scan."""
+
+
+def data_flow(pure: PureStep, params: set) -> DataFlow:
+    """The Megatron roles of the step's parameters, from the data flow of its program.
+
+    Roles: ``"column"`` (the kernel's output features: a free dimension of the product),
+    ``"row"`` (its input features: a contracted dimension) or ``"vocab"`` (an embedding
+    table's rows, read by a gather). They are found as GSPMD propagates a sharding: a kernel
+    whose product reads a value with unsplit features (the residual stream, through a norm) is
+    column-split and splits its output's features; the split carries through elementwise
+    operations, reshapes and products of two activations (attention's scores and weighted
+    sum, per head); a kernel whose product reads split features is row-split, and its output
+    (after the all-reduce) is unsplit again. A gather's output is unsplit. Only a parameter's
+    first reader counts (the forward pass runs before the backward pass). Calls (``jit``,
+    ``checkpoint``, ``custom_jvp``) are followed; loops are not (their parameters get no role).
 
     Args:
       params: indices (among the leaves of ``pure.args``) of the parameters to classify.
     """
     closed = jax.make_jaxpr(pure.fn)(*pure.args)
     roles: dict = {}
+    looped: set = set()
     env: dict = {}
     for i, var in enumerate(closed.jaxpr.invars):
         env[var] = _Value(param=i if i in params else None)
-    _walk(closed.jaxpr, env, roles)
-    return roles
+    _walk(closed.jaxpr, env, roles, looped)
+    return DataFlow(roles, frozenset(looped))
 
 
 def _read(env, var) -> _Value:
     return env.get(var, _Value()) if isinstance(var, jex.Var) else _Value()
 
 
-def _walk(jaxpr, env: dict, roles: dict) -> None:
+def _walk(jaxpr, env: dict, roles: dict, looped: set) -> None:
     for eqn in jaxpr.eqns:
         ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         subs = _sub_jaxprs(eqn)
-        if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars) \
+        if name not in _OPAQUE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars) \
                 and len(subs[0].outvars) == len(eqn.outvars):
             inner = dict(zip(subs[0].invars, ins))
-            _walk(subs[0], inner, roles)
+            _walk(subs[0], inner, roles, looped)
             for out, var in zip(eqn.outvars, subs[0].outvars):
                 env[out] = _read(inner, var)
             continue
+        if name in _LOOPS:
+            looped.update(v.param for v in ins if v.param is not None)
         if name in _ALIASING and len(ins) == 1:
             env[eqn.outvars[0]] = ins[0]
             continue
@@ -237,7 +263,7 @@ def recipe_specs(pure: PureStep, mesh, sharding: str, leaves: StateLeaves | None
       mesh: a 2-axis ``jax.sharding.Mesh``: its first axis is the data axis, its second the
         tensor-parallel one.
       leaves: :func:`state_leaves` of ``pure`` (computed when None).
-      roles: :func:`tensor_parallel_roles` of ``pure`` (computed when needed and None).
+      roles: :attr:`DataFlow.roles` of ``pure`` (computed when needed and None).
 
     Raises:
       ValueError: an unknown sharding, or a mesh without two axes.
@@ -254,8 +280,7 @@ def recipe_specs(pure: PureStep, mesh, sharding: str, leaves: StateLeaves | None
     shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(pure.args)]
     tp = sharding in ("tp", "fsdp+tp")
     if tp and roles is None:
-        roles = tensor_parallel_roles(
-            pure, {i for i, k in enumerate(leaves.param_key) if k is not None})
+        roles = data_flow(pure, parameters(leaves)).roles
     batch_axes = (data_axis, model_axis) if not tp else (data_axis,)
     specs: list = []
     for i, shape in enumerate(shapes):

@@ -30,7 +30,8 @@ from hlo_tools.compiled import MemoryStats, device_memory
 from kiwi_jax.compile import compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
-from kiwi_jax.recipe_specs import SHARDINGS, StateLeaves, recipe_specs, state_leaves
+from kiwi_jax.recipe_specs import (SHARDINGS, StateLeaves, data_flow, parameters, recipe_specs,
+                                   state_leaves)
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
 __all__ = ["Recipe", "RecipeStep", "RecipeResult", "BlockPolicyError", "SHARDINGS", "POLICIES",
@@ -122,10 +123,22 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
     recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
     plain = functionalize(train_step, args)
     leaves = state_leaves(plain)
-    paths = block_paths(leaves, plain.args) if recipe.policy != "none" else []
+    flow = None
+    if recipe.sharding in ("tp", "fsdp+tp") or recipe.policy != "none":
+        flow = data_flow(plain, parameters(leaves))
+    paths = []
+    if recipe.policy != "none":
+        if flow.looped:
+            raise BlockPolicyError(
+                f"the step reads {len(flow.looped)} parameters inside a loop (layers stacked "
+                "for nn.scan / nnx.scan): its blocks cannot be wrapped from outside; put "
+                f"jax.checkpoint(policy=jax.checkpoint_policies.{recipe.policy}) (nn.remat / "
+                "nnx.remat) around the scanned body in the model, or use the policy 'none'")
+        paths = block_paths(leaves, plain.args)
     wrapped = with_block_policy(train_step, args, plain.style, paths, recipe.policy)
     pure = functionalize(wrapped, args) if wrapped is not train_step else plain
-    specs = recipe_specs(plain, mesh, recipe.sharding, leaves)
+    specs = recipe_specs(plain, mesh, recipe.sharding, leaves,
+                         flow.roles if flow is not None else None)
     return _jitted(recipe, pure, specs, mesh, leaves, donate, tuple(paths))
 
 
