@@ -98,14 +98,18 @@ class RecipeStep:
     blocks: tuple
     """Paths of the block modules the policy wraps (relative to the parameter root)."""
 
-    def spec_of(self, *components) -> dict:
-        """``{path: spec}`` of the leaves whose path holds ``components`` in order, e.g.
-        ``spec_of('layers', 0, 'wq', 'kernel')`` (paths without the leading ``'args'``)."""
+    def spec_of(self, *components, prefix: tuple = ()) -> dict:
+        """``{path: spec}`` of the leaves whose path starts with ``prefix`` and holds
+        ``components`` in order after it, e.g. ``spec_of('layers', 0, 'wq', 'kernel',
+        prefix=(0, 0))`` (paths without the leading ``'args'``: argument, then the path in
+        it; an NNX state's first component is the object's position)."""
         leaves = state_leaves(self.pure)
         found = {}
         for path, spec in zip(leaves.paths, self.specs):
-            it = iter(path)
-            if all(any(c == p for p in it) for c in components):
+            if tuple(path[:len(prefix)]) != tuple(prefix):
+                continue
+            rest = iter(path[len(prefix):])
+            if all(any(c == p for p in rest) for c in components):
                 found[path] = spec
         return found
 
@@ -203,8 +207,12 @@ def _abstract(args):
 
 
 def compile_recipe(train_step, args: tuple, mesh, recipe: Recipe | str,
-                   cluster="v100-nvlink") -> RecipeResult:
+                   cluster="v100-nvlink", options: dict | None = None) -> RecipeResult:
     """Compile the recipe's step (abstract arguments are enough) and price it.
+
+    Args:
+      options: XLA compiler options added to :func:`kiwi_jax.compile.compiler_options` (which
+        keep the recomputation on the CPU backend).
 
     Raises:
       BlockPolicyError: see :func:`recipe_step`.
@@ -212,7 +220,7 @@ def compile_recipe(train_step, args: tuple, mesh, recipe: Recipe | str,
     start = time.perf_counter()
     step = recipe_step(train_step, args, mesh, recipe)
     compiled = step.jitted.lower(*_abstract(step.pure.args)).compile(
-        compiler_options=compiler_options())
+        compiler_options={**compiler_options(), **(options or {})})
     return RecipeResult(step.recipe, device_memory(compiled),
                         compiled_cost(compiled, mesh, cluster), time.perf_counter() - start)
 
