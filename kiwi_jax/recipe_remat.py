@@ -112,11 +112,11 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
         return train_step
     if not paths:
         raise BlockPolicyError(
-            "found no repeated blocks in the parameter tree (expected sub-trees such as "
-            "'blocks/3', 'layers_3' or 'Block_3'): a model whose layers are stacked for "
-            "nn.scan / nnx.scan cannot have its blocks wrapped from outside; put "
-            "jax.checkpoint(policy=...) (nn.remat / nnx.remat) around the scanned body in the "
-            "model, or use the recipe's policy 'none'")
+            "found no repeated blocks in the parameter tree (expected two or more consecutive "
+            "sub-trees of one structure, such as 'blocks/3', 'layers_3' or 'Block_3'), so "
+            "there is nothing to put under a per-block policy; use the recipe's policy 'none', "
+            "or put jax.checkpoint(policy=...) (nn.remat / nnx.remat) in the model where it "
+            "should apply")
     checkpoint_policy = getattr(jax.checkpoint_policies, policy)
     while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
         train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
