@@ -13,7 +13,7 @@ with abstract arguments (nothing runs).
 
 Usage: python -m experiments.vs_recipes [--json] [--quick] [--zoo llama | --model gpt]
        [--layers 4 --dim 64 ...] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
-       [--budgets 2MiB 4MiB] [--fit-compiles 2] [--time-limit 60] [--name vs_recipes]
+       [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60] [--name vs_recipes]
 Writes results/<NAME>.json and results/<NAME>.png (compiled memory against estimated step:
 recipes as labelled points, kiwi as a curve); prints the JSON as the last line with ``--json``.
 """
@@ -63,7 +63,7 @@ def _progress(row) -> None:
 
 
 def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
-        print_json: bool) -> dict:
+        print_json: bool, max_budgets: int | None = None) -> dict:
     model, step, example = _step(args, sizes)
     shape = MeshSpec.parse(args.mesh).shape
     mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:shape[0] * shape[1]],
@@ -71,12 +71,14 @@ def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
     start = time.perf_counter()
     result = compare(step, example, mesh, recipes=recipes, budgets=budgets,
                      cluster=args.cluster, fit_compiles=fit_compiles,
-                     time_limit=args.time_limit, progress=_progress)
+                     time_limit=args.time_limit, progress=_progress,
+                     max_budgets=max_budgets)
     print(f"{model} {sizes} on a {args.mesh} mesh ({args.cluster}): compiled memory per device "
           "and estimated step of the compiled program")
     print(result.table())
     rows = [{**r.to_dict()} for r in (*result.recipes, *result.kiwi)]
     out = {"study": name, "model": model, "sizes": sizes, "mesh": args.mesh,
+           "command": " ".join(["python -m experiments.vs_recipes", *sys.argv[1:]]),
            "cluster": args.cluster, "fit_compiles": fit_compiles, "rows": rows,
            "wall_seconds": round(time.perf_counter() - start, 1)}
     plt = pyplot()
@@ -101,6 +103,9 @@ def main(argv=None) -> dict:
                         help="SHARDING[/POLICY] names (default all twelve)")
     parser.add_argument("--budgets", nargs="+", default=None,
                         help="kiwi's budgets as sizes (default the recipes' compiled memories)")
+    parser.add_argument("--kiwi-points", type=int, default=None,
+                        help="without --budgets: at most this many of the recipes' compiled "
+                        "memories as kiwi's budgets, smallest to largest (0: no kiwi rows)")
     parser.add_argument("--fit-compiles", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per plan")
     parser.add_argument("--name", default="vs_recipes", help="results/<name>.json and .png")
@@ -116,7 +121,8 @@ def main(argv=None) -> dict:
                    args.name, args.json)
     sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
     budgets = [parse_bytes(b) for b in args.budgets] if args.budgets else None
-    return run(args, sizes, args.recipes, budgets, args.fit_compiles, args.name, args.json)
+    return run(args, sizes, args.recipes, budgets, args.fit_compiles, args.name, args.json,
+               args.kiwi_points)
 
 
 if __name__ == "__main__":

@@ -110,14 +110,15 @@ def kiwi_row(train_step, args, mesh, budget: int, cluster="v100-nvlink", fit_com
 
 def compare(train_step, args, mesh, recipes=None, budgets=None, cluster="v100-nvlink",
             fit_compiles: int = 2, time_limit: float = 60.0, progress=None,
-            **options) -> Comparison:
+            max_budgets: int | None = None, **options) -> Comparison:
     """Compile every recipe and kiwi's plan at each budget (see the module docstring).
 
     Args:
       args: the step's example arguments (abstract arrays are enough).
       recipes: recipe names or :class:`~kiwi_jax.recipes.Recipe` (default: all twelve).
       budgets: kiwi's per-device budgets in bytes; None: the recipes' distinct compiled
-        memories.
+        memories (at most ``max_budgets`` of them, evenly spread from the smallest to the
+        largest).
       progress: called with each :class:`Row` as it is ready.
       options: more :func:`kiwi_jax.optimize` options (``solver``, ``memory_model``, ...).
     """
@@ -133,6 +134,10 @@ def compare(train_step, args, mesh, recipes=None, budgets=None, cluster="v100-nv
             progress(row)
     if budgets is None:
         budgets = sorted({r.compiled_bytes for r in rows if r.compiled_bytes is not None})
+        if max_budgets is not None and len(budgets) > max_budgets:
+            picks = {round(i * (len(budgets) - 1) / max(max_budgets - 1, 1))
+                     for i in range(max_budgets)} if max_budgets > 0 else set()
+            budgets = [budgets[i] for i in sorted(picks)]
     kiwi = []
     for budget in sorted(int(b) for b in budgets):
         row = kiwi_row(train_step, args, mesh, budget, cluster, fit_compiles, time_limit,
