@@ -93,14 +93,19 @@ def _norm(path) -> tuple:
     return tuple(str(c) for c in path)
 
 
-def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: str):
+def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: str,
+                      constrain=None):
     """``train_step`` with every block at ``paths`` under ``jax.checkpoint(policy=...)`` while
-    it is traced (see the module docstring); ``policy="none"`` returns the step unchanged.
+    it is traced (see the module docstring); ``policy="none"`` without ``constrain`` returns
+    the step unchanged.
 
     Args:
       args: the step's original arguments (NNX objects or Linen pytrees).
       style: ``"nnx"`` or ``"linen"`` (:attr:`kiwi_jax.step.PureStep.style`).
       paths: :func:`block_paths`.
+      constrain: applied to each block's first argument and to every array of its output
+        (a sharding constraint on the activations at block boundaries, as hand-written
+        recipes put one); None: none.
 
     Raises:
       BlockPolicyError: no blocks in the parameter tree; the traced step then raises it too
@@ -108,7 +113,7 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    if policy == "none":
+    if policy == "none" and (constrain is None or not paths):
         return train_step
     if not paths:
         raise BlockPolicyError(
@@ -117,7 +122,7 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
             "there is nothing to put under a per-block policy; use the recipe's policy 'none', "
             "or put jax.checkpoint(policy=...) (nn.remat / nnx.remat) in the model where it "
             "should apply")
-    checkpoint_policy = getattr(jax.checkpoint_policies, policy)
+    checkpoint_policy = getattr(jax.checkpoint_policies, policy) if policy != "none" else None
     while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
         train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
     wanted = {_norm(p) for p in paths}
@@ -127,9 +132,10 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
         calls: list = []
         if style == "nnx":
             context = _nnx_blocks([call_args[i] for i in positions], wanted,
-                                  checkpoint_policy, calls)
+                                  checkpoint_policy, calls, constrain)
         else:
-            context = nn.intercept_methods(_linen_interceptor(wanted, checkpoint_policy, calls))
+            context = nn.intercept_methods(_linen_interceptor(wanted, checkpoint_policy, calls,
+                                                              constrain))
         with context:
             result = train_step(*call_args)
         if not calls:
@@ -149,7 +155,7 @@ attributes but not identities."""
 
 
 @contextlib.contextmanager
-def _nnx_blocks(objects, wanted: set, policy, calls: list):
+def _nnx_blocks(objects, wanted: set, policy, calls: list, constrain=None):
     """NNX: the block classes' ``__call__`` under ``nnx.remat`` for the block instances (the
     trace's own objects, merged from the state, are marked; the user's are not touched)."""
     classes = set()
@@ -161,12 +167,12 @@ def _nnx_blocks(objects, wanted: set, policy, calls: list):
     saved = {cls: cls.__dict__.get("__call__") for cls in classes}
 
     def patched(original):
-        rematted = nnx.remat(original, policy=policy)
+        rematted = nnx.remat(original, policy=policy) if policy is not None else original
 
         def call(self, *a, **k):
             if getattr(self, _MARK, False):
                 calls.append(type(self).__name__)
-                return rematted(self, *a, **k)
+                return _constrained(rematted, constrain)(self, *a, **k)
             return original(self, *a, **k)
         return call
 
@@ -182,7 +188,19 @@ def _nnx_blocks(objects, wanted: set, policy, calls: list):
                 cls.__call__ = original
 
 
-def _linen_interceptor(wanted: set, policy, calls: list):
+def _constrained(fn, constrain):
+    """``fn(module, x, ...)`` with ``constrain`` on ``x`` and on the output's arrays."""
+    if constrain is None:
+        return fn
+
+    def call(module, *a, **k):
+        if a:
+            a = (constrain(a[0]), *a[1:])
+        return jax.tree.map(constrain, fn(module, *a, **k))
+    return call
+
+
+def _linen_interceptor(wanted: set, policy, calls: list, constrain=None):
     """Linen: the block modules' ``__call__`` (by scope path) under ``nn.checkpoint``."""
     active: list = []
 
@@ -199,7 +217,11 @@ def _linen_interceptor(wanted: set, policy, calls: list):
         try:
             def body(mdl, *a, **k):
                 return type(mdl).__call__(mdl, *a, **k)
-            return nn.checkpoint(body, policy=policy)(module, *args, **kwargs)
+            if policy is None:
+                return _constrained(lambda _, *a, **k: next_fun(*a, **k), constrain)(
+                    module, *args, **kwargs)
+            return _constrained(nn.checkpoint(body, policy=policy), constrain)(
+                module, *args, **kwargs)
         finally:
             active.pop()
 

@@ -37,7 +37,7 @@ from hlo_tools.lower import argument_paths
 from kiwi_jax.step import PureStep
 
 __all__ = ["SHARDINGS", "StateLeaves", "state_leaves", "DataFlow", "data_flow",
-           "parameters",
+           "parameters", "batch_axes",
            "recipe_specs"]
 
 log = logging.getLogger(__name__)
@@ -281,16 +281,16 @@ def recipe_specs(pure: PureStep, mesh, sharding: str, leaves: StateLeaves | None
     tp = sharding in ("tp", "fsdp+tp")
     if tp and roles is None:
         roles = data_flow(pure, parameters(leaves)).roles
-    batch_axes = (data_axis, model_axis) if not tp else (data_axis,)
+    data_axes = batch_axes(mesh, sharding)
     specs: list = []
     for i, shape in enumerate(shapes):
         if i >= leaves.count:                                   # data
             entries = [None] * len(shape)
             total = 1
-            for a in batch_axes:
+            for a in data_axes:
                 total *= sizes[a]
             if shape and shape[0] % total == 0:
-                entries[0] = batch_axes if len(batch_axes) > 1 else batch_axes[0]
+                entries[0] = data_axes if len(data_axes) > 1 else data_axes[0]
             elif shape and shape[0] % sizes[data_axis] == 0:
                 entries[0] = data_axis
             specs.append(P(*entries))
@@ -312,6 +312,12 @@ def recipe_specs(pure: PureStep, mesh, sharding: str, leaves: StateLeaves | None
                 entries = [e if e is not None else f for e, f in zip(entries, fsdp)]
         specs.append(P(*entries))
     return specs
+
+
+def batch_axes(mesh, sharding: str) -> tuple:
+    """The mesh axes a recipe splits the batch over: both for ``dp`` and ``fsdp``, the first
+    (data) axis for ``tp`` and ``fsdp+tp``."""
+    return tuple(mesh.axis_names) if sharding in ("dp", "fsdp") else (mesh.axis_names[0],)
 
 
 def _role(owner: int, leaves: StateLeaves, roles: dict, shapes) -> tuple | None:

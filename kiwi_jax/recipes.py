@@ -30,8 +30,8 @@ from hlo_tools.compiled import MemoryStats, device_memory
 from kiwi_jax.compile import compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
-from kiwi_jax.recipe_specs import (SHARDINGS, StateLeaves, data_flow, parameters, recipe_specs,
-                                   state_leaves)
+from kiwi_jax.recipe_specs import (SHARDINGS, StateLeaves, batch_axes, data_flow, parameters,
+                                   recipe_specs, state_leaves)
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
 __all__ = ["Recipe", "RecipeStep", "RecipeResult", "BlockPolicyError", "SHARDINGS", "POLICIES",
@@ -114,10 +114,33 @@ class RecipeStep:
         return found
 
 
+def activation_constraint(mesh, sharding: str):
+    """A function that puts a value's leading (batch) dimension on the recipe's data axes
+    (all devices for ``dp`` and ``fsdp``, the first axis for ``tp`` and ``fsdp+tp``) with
+    ``jax.lax.with_sharding_constraint``; values it does not divide pass unchanged."""
+    axes = batch_axes(mesh, sharding)
+    size = 1
+    for name, n in zip(mesh.axis_names, mesh.devices.shape):
+        size *= n if name in axes else 1
+    target = NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0]))
+
+    def constrain(x):
+        shape = getattr(x, "shape", ())
+        if len(shape) < 2 or shape[0] % size:
+            return x
+        return jax.lax.with_sharding_constraint(x, target)
+    return constrain
+
+
 def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
-                donate: bool = True) -> RecipeStep:
+                donate: bool = True, constrain: bool = True) -> RecipeStep:
     """The recipe's jitted step for ``train_step`` at ``args`` (concrete or abstract) on
     ``mesh`` (two axes: data, then model).
+
+    Args:
+      constrain: put the activations at block boundaries on the data axes
+        (:func:`activation_constraint`), as hand-written recipes do; otherwise XLA's sharding
+        propagation alone decides the layout between the arguments and the outputs.
 
     Raises:
       BlockPolicyError: a policy other than ``none`` on a model whose blocks cannot be wrapped
@@ -127,11 +150,9 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
     recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
     plain = functionalize(train_step, args)
     leaves = state_leaves(plain)
-    flow = None
-    if recipe.sharding in ("tp", "fsdp+tp") or recipe.policy != "none":
-        flow = data_flow(plain, parameters(leaves))
+    flow = data_flow(plain, parameters(leaves))
     paths = []
-    if recipe.policy != "none":
+    if recipe.policy != "none" or (constrain and not flow.looped):
         if flow.looped:
             raise BlockPolicyError(
                 f"the step reads {len(flow.looped)} parameters inside a loop (layers stacked "
@@ -139,10 +160,11 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
                 f"jax.checkpoint(policy=jax.checkpoint_policies.{recipe.policy}) (nn.remat / "
                 "nnx.remat) around the scanned body in the model, or use the policy 'none'")
         paths = block_paths(leaves, plain.args)
-    wrapped = with_block_policy(train_step, args, plain.style, paths, recipe.policy)
+    wrapped = with_block_policy(train_step, args, plain.style, paths, recipe.policy,
+                                activation_constraint(mesh, recipe.sharding)
+                                if constrain else None)
     pure = functionalize(wrapped, args) if wrapped is not train_step else plain
-    specs = recipe_specs(plain, mesh, recipe.sharding, leaves,
-                         flow.roles if flow is not None else None)
+    specs = recipe_specs(plain, mesh, recipe.sharding, leaves, flow.roles)
     return _jitted(recipe, pure, specs, mesh, leaves, donate, tuple(paths))
 
 

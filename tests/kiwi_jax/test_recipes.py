@@ -127,6 +127,9 @@ def test_tensor_parallel_splits_llama_kernels_as_megatron(mesh24):
         assert _only(made.spec_of("layers", 0, "ffn_norm", "weight", prefix=MODEL)) == \
             P(fsdp if sharding == "fsdp+tp" else None)
         assert _only(made.spec_of("tokens", prefix=(1,))) == P("data", None)
+        # the activations at block boundaries are put on the data axis, as by hand
+        text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+        assert text.count("sharding_constraint") >= 2 * LLAMA["layers"]
 
 
 def test_gpt_biases_follow_their_kernels(mesh24):
