@@ -152,7 +152,8 @@ def compare(train_step, args, mesh, recipes=None, budgets=None, cluster="v100-nv
 
 def draw(comparison: Comparison, ax) -> None:
     """Compiled memory (x, MiB) against estimated step (y, ms) on ``ax``: each recipe a
-    labelled point (marker per sharding, colour per policy), kiwi's plans a curve."""
+    labelled point (marker per sharding, colour per policy), kiwi's plans a curve (a hollow
+    star: compiled over its budget)."""
     markers = {"dp": "o", "fsdp": "s", "tp": "^", "fsdp+tp": "D"}
     colors = {"none": "C0", "dots_saveable": "C1", "nothing_saveable": "C2"}
     for row in comparison.recipes:
@@ -163,12 +164,15 @@ def draw(comparison: Comparison, ax) -> None:
         ax.scatter([x], [y], marker=markers.get(sharding, "x"),
                    color=colors.get(policy or "none", "k"), s=30, zorder=3)
         ax.annotate(row.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    points = sorted((r.compiled_bytes / 2**20, r.step_seconds * 1e3) for r in comparison.kiwi
-                    if r.compiled_bytes is not None)
+    points = sorted((r.compiled_bytes / 2**20, r.step_seconds * 1e3, r.fits)
+                    for r in comparison.kiwi if r.compiled_bytes is not None)
     if points:
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, color="C3", marker="*", ms=7, lw=1.5, label="kiwi (budget sweep)",
-                zorder=4)
+        xs, ys, fits = zip(*points)
+        ax.plot(xs, ys, color="C3", lw=1.5, label="kiwi (budget sweep; hollow: over its "
+                "budget)", zorder=4, marker="*", ms=0)
+        for x, y, fit in points:
+            ax.plot([x], [y], marker="*", ms=9, color="C3",
+                    markerfacecolor="C3" if fit else "none", zorder=5)
         ax.legend(fontsize=7, loc="upper right")
     ax.set_xlabel("compiled memory per device (MiB)", fontsize=8)
     ax.set_ylabel(f"estimated step (ms, {comparison.cluster})", fontsize=8)
