@@ -14,6 +14,7 @@ with abstract arguments (nothing runs).
 Usage: python -m experiments.vs_recipes [--json] [--quick] [--zoo llama | --model gpt]
        [--layers 4 --dim 64 ...] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
        [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60] [--name vs_recipes]
+       python -m experiments.vs_recipes --replot results/vs_recipes.json   # its PNG again
 Writes results/<NAME>.json and results/<NAME>.png (compiled memory against estimated step:
 recipes as labelled points, kiwi as a curve); prints the JSON as the last line with ``--json``.
 """
@@ -26,7 +27,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -35,7 +39,7 @@ import jax  # noqa: E402
 from experiments import zoo  # noqa: E402
 from experiments.common import pyplot, results_path, save_figure, write_result  # noqa: E402
 from kiwi_jax.cluster import MeshSpec, parse_bytes  # noqa: E402
-from kiwi_jax.compare import compare, draw  # noqa: E402
+from kiwi_jax.compare import Comparison, Row, compare, draw  # noqa: E402
 from kiwi_jax.models import build  # noqa: E402
 
 SIZE_FLAGS = ("layers", "dim", "hidden", "heads", "kv_heads", "seq", "batch", "vocab", "width")
@@ -62,6 +66,24 @@ def _progress(row) -> None:
     print(f"  {row.name}: {state} ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
+def _figure(result, title: str, path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    draw(result, ax)
+    save_figure(fig, title, path)
+
+
+def replot(path) -> None:
+    """Draw the PNG of a result file again (beside it)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    fields = {f.name for f in dataclasses.fields(Row)}
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]]
+    result = Comparison(tuple(r for r in rows if r.kind == "recipe"),
+                        tuple(r for r in rows if r.kind == "kiwi"), data["cluster"])
+    _figure(result, f"{data['model']} on {data['mesh']}: recipes vs kiwi (compiled)",
+            pathlib.Path(path).with_suffix(".png"))
+
+
 def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
         print_json: bool, max_budgets: int | None = None) -> dict:
     model, step, example = _step(args, sizes)
@@ -81,11 +103,8 @@ def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
            "command": " ".join(["python -m experiments.vs_recipes", *sys.argv[1:]]),
            "cluster": args.cluster, "fit_compiles": fit_compiles, "rows": rows,
            "wall_seconds": round(time.perf_counter() - start, 1)}
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
-    draw(result, ax)
-    save_figure(fig, f"{model} on {args.mesh}: recipes vs kiwi (compiled)",
-                results_path(f"{name}.png"))
+    _figure(result, f"{model} on {args.mesh}: recipes vs kiwi (compiled)",
+            results_path(f"{name}.png"))
     write_result(name, out, print_json=print_json)
     return out
 
@@ -112,7 +131,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true",
                         help="the reference MLP of width 16, two recipes, one budget")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--replot", metavar="JSON", help="draw a result file's PNG again")
     args = parser.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return {}
     logging.basicConfig(level=logging.ERROR)
     if args.quick:
         args.model = QUICK["model"]
