@@ -30,8 +30,8 @@ from hlo_tools.compiled import MemoryStats, device_memory
 from kiwi_jax.compile import compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
-from kiwi_jax.recipe_specs import (SHARDINGS, StateLeaves, batch_axes, data_flow, parameters,
-                                   recipe_specs, state_leaves)
+from kiwi_jax.recipe_specs import (SHARDINGS, batch_axes, data_flow, parameters, recipe_specs,
+                                   state_leaves)
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
 __all__ = ["Recipe", "RecipeStep", "RecipeResult", "BlockPolicyError", "SHARDINGS", "POLICIES",
@@ -165,11 +165,10 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
                                 if constrain else None)
     pure = functionalize(wrapped, args) if wrapped is not train_step else plain
     specs = recipe_specs(plain, mesh, recipe.sharding, leaves, flow.roles)
-    return _jitted(recipe, pure, specs, mesh, leaves, donate, tuple(paths))
+    return _jitted(recipe, pure, specs, mesh, donate, tuple(paths))
 
 
-def _jitted(recipe, pure: PureStep, specs, mesh, leaves: StateLeaves, donate: bool,
-            blocks: tuple) -> RecipeStep:
+def _jitted(recipe, pure: PureStep, specs, mesh, donate: bool, blocks: tuple) -> RecipeStep:
     shardings = [NamedSharding(mesh, s) for s in specs]
     tree = jax.tree.structure(pure.args)
     in_shardings = tuple(jax.tree.unflatten(tree, shardings))
