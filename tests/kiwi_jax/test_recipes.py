@@ -1,7 +1,8 @@
 """The hand-written recipes: every sharding rule compiles on a 2x4 mesh and gives the plain
-step's numerics on the zoo Llama, the reference GPT; a Linen model's blocks take a policy; tensor parallelism splits
-the kernels as Megatron does; FSDP shards the state 8 ways; a per-block policy changes the
-compiled program but not the numerics; ``kiwi-jax compare`` prints its table."""
+step's numerics on the zoo Llama and the reference GPT (and a Linen MLP under a policy); the
+blocks of a jitted Linen step take a policy; tensor parallelism splits the kernels as Megatron
+does; FSDP shards the state 8 ways; a per-block policy changes the compiled program but not
+the numerics; ``kiwi-jax compare`` prints its table."""
 
 import json
 import re
@@ -26,6 +27,7 @@ LLAMA = {"layers": 2, "dim": 16, "heads": 2, "kv_heads": 1, "batch": 8, "seq": 8
 GPT = {"layers": 2, "hidden": 16, "heads": 2, "seq": 8, "batch": 8, "vocab": 64}
 MIXER = {"blocks": 2, "hidden_dim": 16, "tokens_mlp_dim": 8, "channels_mlp_dim": 16,
          "batch": 8, "image_size": 16, "patch_size": 8}
+LINEN_MLP = {"layers": 4, "width": 16, "batch": 8}
 DEEP_LLAMA = {"layers": 4, "dim": 32, "heads": 4, "kv_heads": 2, "batch": 16, "seq": 64,
               "vocab": 64}
 """Activations dominate its memory: the case a per-block policy is for."""
@@ -36,8 +38,8 @@ MODEL = (0, 0)
 
 
 def _make(model: str):
-    if model == "gpt":
-        ref = build("gpt", **GPT)
+    if model in ("gpt", "linen_mlp"):
+        ref = build(model, **(GPT if model == "gpt" else LINEN_MLP))
         return ref.train_step, (*ref.init(0), ref.batch(0))
     sizes = {"llama": LLAMA, "mixer": MIXER}[model]
     return zoo.make(model, abstract=False, **sizes)
@@ -79,13 +81,14 @@ def plain_losses():
     ("llama", "fsdp+tp"),
     ("gpt", "dp/nothing_saveable"), ("gpt", "fsdp"), ("gpt", "tp"),
     ("gpt", "fsdp+tp/dots_saveable"),
+    ("linen_mlp", "fsdp+tp/nothing_saveable"),
 ])
 def test_recipe_compiles_and_matches_the_plain_step(model, recipe, mesh24, plain_losses):
     step, args = _make(model)
     made = recipe_step(step, args, mesh24, recipe)
     assert made.recipe == Recipe.parse(recipe)
     if made.recipe.policy != "none":
-        assert len(made.blocks) == 2
+        assert len(made.blocks) == 2, made.blocks
     placed = jax.device_put(_copy(made.pure.args), made.in_shardings)
     compiled = made.jitted.lower(*made.pure.args).compile(compiler_options=FAST_COMPILE)
     losses = _losses(compiled, placed, made.state_out)
