@@ -9,6 +9,9 @@ Subcommands:
   verify    plan, apply and compile the step on the mesh (8 simulated CPU devices by default),
             compare compiled memory and collectives with the plan and run it against the plain
             step.
+  compare   compile the hand-written recipes (dp, fsdp, tp, fsdp+tp, each with no, dots-saveable
+            or nothing-saveable per-block checkpointing) and kiwi's plans at a range of
+            budgets; print compiled memory and estimated step per row.
 
 Every subcommand prints a human-readable summary and, with ``--json``, a JSON object as the last
 line of stdout.
@@ -269,6 +272,68 @@ def _cmd_verify(args) -> dict:
     return out
 
 
+def _mesh(args):
+    """The ``data x model`` mesh of ``--mesh`` on this process's devices."""
+    import jax
+
+    from kiwi_jax.cluster import MeshSpec
+
+    shape = MeshSpec.parse(args.mesh).shape
+    if jax.device_count() < shape[0] * shape[1]:
+        raise UsageError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
+                         f"{jax.device_count()}; on CPU set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={shape[0] * shape[1]}")
+    return jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:shape[0] * shape[1]],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _compare_options(args) -> tuple[list, list | None]:
+    """``--recipes`` and ``--budgets`` parsed, or a usage error naming the bad value."""
+    from kiwi_jax.cluster import parse_bytes
+    from kiwi_jax.recipes import Recipe
+
+    try:
+        recipes = [Recipe.parse(r) for r in args.recipes] if args.recipes else None
+        budgets = [parse_bytes(b) for b in args.budgets] if args.budgets else None
+    except ValueError as error:
+        raise UsageError(f"{error} (recipes are SHARDING or SHARDING/POLICY, e.g. fsdp or "
+                         "tp/nothing_saveable; budgets are sizes such as 6MiB)") from error
+    if args.fit_compiles < 0:
+        raise UsageError(f"--fit-compiles: expected a count >= 0, got {args.fit_compiles}")
+    return recipes, budgets
+
+
+def _cmd_compare(args) -> dict:
+    from kiwi_jax.compare import compare
+
+    recipes, budgets = _compare_options(args)
+    ref = _reference(args)
+    mesh = _mesh(args)
+
+    def progress(row):
+        state = row.error.splitlines()[0][:80] if row.error else \
+            f"{row.compiled_bytes / 2**20:.3f} MiB, {row.step_seconds * 1e3:.4f} ms"
+        print(f"  {row.name}: {state} ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    result = compare(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()), mesh,
+                     recipes=recipes, budgets=budgets, cluster=args.cluster,
+                     fit_compiles=args.fit_compiles, time_limit=args.time_limit,
+                     solver=args.solver, memory_model=args.memory_model, progress=progress)
+    print(f"{args.model} on a {args.mesh} mesh ({args.cluster}): compiled per-device memory and "
+          "estimated step (compute + collectives of the compiled step)")
+    print(result.table())
+    out = {"model": args.model, "mesh": args.mesh, **result.to_dict(),
+           "seconds": time.perf_counter() - start}
+    if args.png:
+        from kiwi_jax.compare import plot
+
+        plot(result, args.png, f"{args.model}, mesh {args.mesh}")
+        print(f"figure: {args.png}")
+        out["png"] = args.png
+    return out
+
+
 def main(argv=None) -> int:
     from kiwi_jax.fit import FIT_COMPILES
     from solvers.options import SolverOptions
@@ -352,6 +417,24 @@ def main(argv=None) -> int:
                         help="simulated CPU devices of this process (default 8; with several "
                         "processes, mesh devices / processes)")
     verify.set_defaults(run=_cmd_verify)
+    compare = sub.add_parser("compare", help="compile the hand-written recipes and kiwi's "
+                             "plans; compiled memory and estimated step of each")
+    _model_args(compare)
+    compare.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
+                         help="recipes to compile, SHARDING[/POLICY] (dp, fsdp, tp, fsdp+tp; "
+                         "none, dots_saveable, nothing_saveable); default all twelve")
+    compare.add_argument("--budgets", nargs="+", default=None, metavar="SIZE",
+                         help="kiwi's per-device budgets (e.g. 6MiB 8MiB); default the "
+                         "recipes' compiled memories (one plan each: the slow part)")
+    compare.add_argument("--solver", default=defaults.solver,
+                         help="kiwi's solver (default %(default)s)")
+    compare.add_argument("--time-limit", type=float, default=defaults.time_limit,
+                         help="solver seconds per plan (default %(default)s)")
+    compare.add_argument("--fit-compiles", type=int, default=2,
+                         help="most compiles per kiwi plan spent fitting the compiled step to "
+                         "its budget (default %(default)s)")
+    compare.add_argument("--png", default=None, help="write memory vs estimated step here")
+    compare.set_defaults(run=_cmd_compare)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

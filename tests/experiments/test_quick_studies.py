@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import (bandwidth_sweep, cost_agreement, lynx_pipeline, mesh_sweep,
-                         optimality, remat_baselines, report, solver_scaling)
+                         optimality, remat_baselines, report, solver_scaling, vs_recipes)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -155,6 +155,17 @@ def test_remat_baselines_quick(results, capsys):
     assert printed["fit_compiles"] == 6 and 1 <= kiwi["fit_compiles_spent"] <= 6
     assert kiwi["fit"]["compiles"] == kiwi["fit_compiles_spent"]
     assert kiwi["fit_ratio"] == kiwi["compiled_peak_bytes"] / budget
+
+
+def test_vs_recipes_quick(results, capsys):
+    result = _run(vs_recipes, results, capsys, "vs_recipes")
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"dp", "fsdp/nothing_saveable", "kiwi@4.000MiB"}
+    dp, fsdp, kiwi = rows["dp"], rows["fsdp/nothing_saveable"], rows["kiwi@4.000MiB"]
+    assert fsdp["compiled_bytes"] < dp["compiled_bytes"]        # the state sharded 8 ways
+    assert dp["step_seconds"] > 0 and fsdp["step_seconds"] > 0
+    assert kiwi["kind"] == "kiwi" and kiwi["budget_bytes"] == 4 * 2**20
+    assert kiwi["fits"] == (kiwi["compiled_bytes"] <= kiwi["budget_bytes"])
 
 
 def test_cost_agreement_quick(results, capsys):

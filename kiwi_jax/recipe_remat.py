@@ -1,0 +1,228 @@
+"""A per-block ``jax.checkpoint`` policy put on a train step without editing its model.
+
+The blocks are found from the parameter tree (:func:`hlo_tools.layers.parameter_layers`: the
+stack of repeated sub-trees such as ``blocks/3``, ``layers_3``, ``Block_3``); while the step is
+traced, each block module's ``__call__`` runs under the policy:
+
+- Flax NNX: the block classes' ``__call__`` is replaced, for the trace only, by one that runs
+  the original under ``nnx.remat(policy=...)`` for the block instances (other instances of the
+  class run as before); a model that calls ``Block.__call__(block, x)`` itself is covered too.
+- Flax Linen: ``flax.linen.intercept_methods`` runs the block modules' ``__call__`` (found by
+  their scope path) under ``nn.checkpoint(policy=...)``.
+
+A step decorated with ``jax.jit`` is traced through its Python function (``__wrapped__``):
+jit's cache would otherwise reuse a trace made without the policy. A model whose blocks are
+not separate sub-trees (layers stacked for ``nn.scan`` or
+``nnx.scan``) or whose block modules are never called raises :class:`BlockPolicyError`.
+
+References:
+  Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), sec. 4 (per-segment
+  recomputation); JAX's ``jax.checkpoint`` policies (``dots_saveable``, ``nothing_saveable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from hlo_tools.layers import parameter_layers
+from kiwi_jax.recipe_specs import StateLeaves
+
+__all__ = ["POLICIES", "BlockPolicyError", "block_paths", "with_block_policy"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("none", "dots_saveable", "nothing_saveable")
+"""The recipes' per-block policies (``none``: no ``jax.checkpoint``)."""
+
+
+class BlockPolicyError(ValueError):
+    """The step's blocks cannot be put under a ``jax.checkpoint`` policy from outside."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    dims: tuple
+    dtype: str
+    nbytes: int
+
+
+def block_paths(leaves: StateLeaves, args) -> list[tuple]:
+    """The block modules' paths relative to the parameter root (``('layers', 3)``,
+    ``('Block_3',)``), in layer order; empty when the parameter tree has no stack of repeats.
+    """
+    flat = jax.tree.leaves(args)
+    params = [i for i, k in enumerate(leaves.param_key) if k is not None]
+    keys = [leaves.param_key[i] for i in params]
+    shapes = [_Shape(tuple(flat[i].shape), str(flat[i].dtype),
+                     int(jnp.dtype(flat[i].dtype).itemsize) * int(max(1, _size(flat[i].shape))))
+              for i in params]
+    layers = parameter_layers(keys, shapes, [True] * len(keys), [True] * len(keys))
+    first: dict[int, tuple] = {}
+    for key, layer in zip(keys, layers):
+        if layer >= 0 and layer not in first:
+            first[layer] = key
+    if len(first) < 2:
+        return []
+    ref = first[min(first)]
+    paths = []
+    for layer in sorted(first):
+        key = first[layer]
+        depth = next((j for j, (a, b) in enumerate(zip(key, ref)) if a != b), None)
+        if depth is None:                                       # the first layer itself
+            other = first[sorted(first)[1]]
+            depth = next(j for j, (a, b) in enumerate(zip(key, other)) if a != b)
+        paths.append(tuple(key[:depth + 1]))
+    return paths
+
+
+def _size(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _norm(path) -> tuple:
+    return tuple(str(c) for c in path)
+
+
+def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: str,
+                      constrain=None):
+    """``train_step`` with every block at ``paths`` under ``jax.checkpoint(policy=...)`` while
+    it is traced (see the module docstring); ``policy="none"`` without ``constrain`` returns
+    the step unchanged.
+
+    Args:
+      args: the step's original arguments (NNX objects or Linen pytrees).
+      style: ``"nnx"`` or ``"linen"`` (:attr:`kiwi_jax.step.PureStep.style`).
+      paths: :func:`block_paths`.
+      constrain: applied to each block's first argument and to every array of its output
+        (a sharding constraint on the activations at block boundaries, as hand-written
+        recipes put one); None: none.
+
+    Raises:
+      BlockPolicyError: no blocks in the parameter tree; the traced step then raises it too
+        when no block module was called.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy == "none" and (constrain is None or not paths):
+        return train_step
+    if not paths:
+        raise BlockPolicyError(
+            "found no repeated blocks in the parameter tree (expected two or more consecutive "
+            "sub-trees of one structure, such as 'blocks/3', 'layers_3' or 'Block_3'), so "
+            "there is nothing to put under a per-block policy; use the recipe's policy 'none', "
+            "or put jax.checkpoint(policy=...) (nn.remat / nnx.remat) in the model where it "
+            "should apply")
+    checkpoint_policy = getattr(jax.checkpoint_policies, policy) if policy != "none" else None
+    while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
+        train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
+    wanted = {_norm(p) for p in paths}
+    positions = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+
+    def step(*call_args):
+        calls: list = []
+        if style == "nnx":
+            context = _nnx_blocks([call_args[i] for i in positions], wanted,
+                                  checkpoint_policy, calls, constrain)
+        else:
+            context = nn.intercept_methods(_linen_interceptor(wanted, checkpoint_policy, calls,
+                                                              constrain))
+        with context:
+            result = train_step(*call_args)
+        if not calls:
+            raise BlockPolicyError(
+                f"the blocks {sorted(wanted)[:3]}... of the parameter tree were never called "
+                "as modules while the step was traced, so their policy could not be applied; "
+                "call each block module (block(x)) in the model, or use the policy 'none'")
+        return result
+
+    return step
+
+
+_MARK = "_recipe_block"
+"""Attribute that marks a block instance while the step is traced: NNX transforms inside the
+step (``nnx.value_and_grad``) split and merge the model into new objects, which keep static
+attributes but not identities."""
+
+
+@contextlib.contextmanager
+def _nnx_blocks(objects, wanted: set, policy, calls: list, constrain=None):
+    """NNX: the block classes' ``__call__`` under ``nnx.remat`` for the block instances (the
+    trace's own objects, merged from the state, are marked; the user's are not touched)."""
+    classes = set()
+    for root in objects:
+        for path, node in nnx.iter_graph(root):
+            if _norm(path) in wanted and isinstance(node, nnx.Module):
+                setattr(node, _MARK, True)
+                classes.add(type(node))
+    saved = {cls: cls.__dict__.get("__call__") for cls in classes}
+
+    def patched(original):
+        rematted = nnx.remat(original, policy=policy) if policy is not None else original
+
+        def call(self, *a, **k):
+            if getattr(self, _MARK, False):
+                calls.append(type(self).__name__)
+                return _constrained(rematted, constrain)(self, *a, **k)
+            return original(self, *a, **k)
+        return call
+
+    try:
+        for cls in classes:
+            cls.__call__ = patched(cls.__call__)
+        yield
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original
+
+
+def _constrained(fn, constrain):
+    """``fn(module, x, ...)`` with ``constrain`` on ``x`` and on the output's arrays."""
+    if constrain is None:
+        return fn
+
+    def call(module, *a, **k):
+        if a:
+            a = (constrain(a[0]), *a[1:])
+        return jax.tree.map(constrain, fn(module, *a, **k))
+    return call
+
+
+def _linen_interceptor(wanted: set, policy, calls: list, constrain=None):
+    """Linen: the block modules' ``__call__`` (by scope path) under ``nn.checkpoint``."""
+    active: list = []
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        scope = getattr(module, "scope", None)
+        path = _norm(scope.path) if scope is not None else None
+        if context.method_name != "__call__" or path is None or \
+                not any(w[-len(path):] == path for w in wanted if len(path) <= len(w)) or \
+                (active and active[-1] == path):
+            return next_fun(*args, **kwargs)
+        calls.append(path)
+        active.append(path)
+        try:
+            def body(mdl, *a, **k):
+                return type(mdl).__call__(mdl, *a, **k)
+            if policy is None:
+                return _constrained(lambda _, *a, **k: next_fun(*a, **k), constrain)(
+                    module, *args, **kwargs)
+            return _constrained(nn.checkpoint(body, policy=policy), constrain)(
+                module, *args, **kwargs)
+        finally:
+            active.pop()
+
+    return interceptor

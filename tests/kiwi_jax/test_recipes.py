@@ -1,0 +1,214 @@
+"""The hand-written recipes: every sharding rule compiles on a 2x4 mesh and gives the plain
+step's numerics on the zoo Llama and the reference GPT (and a Linen MLP under a policy); the
+blocks of a jitted Linen step take a policy; tensor parallelism splits the kernels as Megatron
+does; FSDP shards the state 8 ways; a per-block policy changes the compiled program but not
+the numerics; ``kiwi-jax compare`` prints its table."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from experiments import zoo
+from kiwi_jax import cli
+from kiwi_jax.models import build
+from kiwi_jax.recipes import (BlockPolicyError, Recipe, all_recipes, compile_recipe,
+                              recipe_step)
+from kiwi_jax.step import functionalize
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+"""XLA options that cut the CPU compile of these small steps several-fold."""
+
+LLAMA = {"layers": 2, "dim": 16, "heads": 2, "kv_heads": 1, "batch": 8, "seq": 8, "vocab": 64}
+GPT = {"layers": 2, "hidden": 16, "heads": 2, "seq": 8, "batch": 8, "vocab": 64}
+MIXER = {"blocks": 2, "hidden_dim": 16, "tokens_mlp_dim": 8, "channels_mlp_dim": 16,
+         "batch": 8, "image_size": 16, "patch_size": 8}
+LINEN_MLP = {"layers": 4, "width": 16, "batch": 8}
+DEEP_LLAMA = {"layers": 4, "dim": 32, "heads": 4, "kv_heads": 2, "batch": 16, "seq": 64,
+              "vocab": 64}
+"""Activations dominate its memory: the case a per-block policy is for."""
+
+STEPS = 3
+MODEL = (0, 0)
+"""Path prefix of an NNX model's leaves: the state (argument 0), the model (object 0)."""
+
+
+def _make(model: str):
+    if model in ("gpt", "linen_mlp"):
+        ref = build(model, **(GPT if model == "gpt" else LINEN_MLP))
+        return ref.train_step, (*ref.init(0), ref.batch(0))
+    sizes = {"llama": LLAMA, "mixer": MIXER}[model]
+    return zoo.make(model, abstract=False, **sizes)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+                        tree)
+
+
+def _losses(compiled, args, state_out) -> list[float]:
+    args, losses = list(args), []
+    for _ in range(STEPS):
+        outputs = compiled(*args)
+        metrics = [o for i, o in enumerate(outputs) if i != state_out][0]
+        losses.append(float(metrics["loss"] if isinstance(metrics, dict) else metrics))
+        args[0] = outputs[state_out]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def plain_losses():
+    """Per model, the plain jitted step's losses over three steps."""
+    found = {}
+
+    def get(model):
+        if model not in found:
+            step, args = _make(model)
+            pure = functionalize(step, args)
+            compiled = jax.jit(pure.fn).lower(*pure.args).compile(compiler_options=FAST_COMPILE)
+            found[model] = _losses(compiled, _copy(pure.args), 1 if pure.style == "nnx" else 0)
+        return found[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model,recipe", [
+    ("llama", "dp"), ("llama", "fsdp/dots_saveable"), ("llama", "tp/nothing_saveable"),
+    ("llama", "fsdp+tp"),
+    ("gpt", "dp/nothing_saveable"), ("gpt", "fsdp"), ("gpt", "tp"),
+    ("gpt", "fsdp+tp/dots_saveable"),
+    ("linen_mlp", "fsdp+tp/nothing_saveable"),
+])
+def test_recipe_compiles_and_matches_the_plain_step(model, recipe, mesh24, plain_losses):
+    step, args = _make(model)
+    made = recipe_step(step, args, mesh24, recipe)
+    assert made.recipe == Recipe.parse(recipe)
+    if made.recipe.policy != "none":
+        assert len(made.blocks) == 2, made.blocks
+    placed = jax.device_put(_copy(made.pure.args), made.in_shardings)
+    compiled = made.jitted.lower(*made.pure.args).compile(compiler_options=FAST_COMPILE)
+    losses = _losses(compiled, placed, made.state_out)
+    expected = plain_losses(model)
+    assert np.allclose(losses, expected, rtol=1e-6, atol=0), (losses, expected)
+
+
+def test_linen_blocks_run_under_the_policy(mesh24):
+    """A Linen model (a jitted step): the blocks are found by scope path and intercepted;
+    tracing the recipe's step raises when no block ran under the policy."""
+    step, args = _make("mixer")
+    made = recipe_step(step, args, mesh24, "fsdp+tp/nothing_saveable")
+    assert made.blocks == (("MixerBlock_0",), ("MixerBlock_1",))
+    text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+    assert len(re.findall(r"\b(?:checkpoint|remat2?)\[", text)) >= 2
+
+
+def _only(found: dict):
+    assert len(found) == 1, found
+    return next(iter(found.values()))
+
+
+def test_tensor_parallel_splits_llama_kernels_as_megatron(mesh24):
+    step, args = zoo.make("llama", **LLAMA)
+    for sharding in ("tp", "fsdp+tp"):
+        made = recipe_step(step, args, mesh24, sharding)
+        fsdp = "data" if sharding == "fsdp+tp" else None
+        for layer in range(LLAMA["layers"]):
+            for name in ("wq", "wk", "wv", "w1", "w3"):          # q/k/v, gate, up: columns
+                spec = _only(made.spec_of("layers", layer, name, "kernel", prefix=MODEL))
+                assert spec == P(fsdp, "model"), (sharding, name, spec)
+            for name in ("wo", "w2"):                            # o, down: rows
+                spec = _only(made.spec_of("layers", layer, name, "kernel", prefix=MODEL))
+                assert spec == P("model", fsdp), (sharding, name, spec)
+            # optimizer moments follow their parameter
+            assert _only(made.spec_of("mu", "layers", layer, "wo", "kernel", prefix=(0, 1))) == \
+                P("model", fsdp)
+        assert _only(made.spec_of("tok_embeddings", "embedding", prefix=MODEL)) == P("model", fsdp)
+        assert _only(made.spec_of("layers", 0, "ffn_norm", "weight", prefix=MODEL)) == \
+            P(fsdp if sharding == "fsdp+tp" else None)
+        assert _only(made.spec_of("tokens", prefix=(1,))) == P("data", None)
+        # the activations at block boundaries are put on the data axis, as by hand
+        text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+        assert text.count("sharding_constraint") >= 2 * LLAMA["layers"]
+
+
+def test_gpt_biases_follow_their_kernels(mesh24):
+    ref = build("gpt", **GPT)
+    made = recipe_step(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()), mesh24,
+                       "tp")
+    assert _only(made.spec_of("blocks", 0, "mlp", "up", "bias", prefix=MODEL)) == P("model")
+    assert _only(made.spec_of("blocks", 0, "mlp", "down", "bias", prefix=MODEL)) == P(None)
+    assert _only(made.spec_of("blocks", 0, "attn", "o", "kernel", prefix=MODEL)) == P("model", None)
+
+
+@pytest.fixture(scope="module")
+def deep_llama(mesh24):
+    """The deep Llama's recipes compiled (abstract arguments), memoised per recipe."""
+    step, args = zoo.make("llama", **DEEP_LLAMA)
+    found = {}
+
+    def get(recipe):
+        if recipe not in found:
+            found[recipe] = compile_recipe(step, args, mesh24, recipe, options=FAST_COMPILE)
+        return found[recipe]
+
+    return get
+
+
+def test_fsdp_shards_the_state_eight_ways(deep_llama):
+    dp, fsdp = deep_llama("dp").memory, deep_llama("fsdp").memory
+    batch = 2 * DEEP_LLAMA["batch"] * DEEP_LLAMA["seq"] * 4 // 8      # tokens + labels
+    state = dp.argument_bytes - batch
+    assert fsdp.argument_bytes - batch == pytest.approx(state / 8, rel=0.02)
+
+
+def test_policy_changes_the_compiled_program(deep_llama):
+    none = deep_llama("dp")
+    saved = deep_llama("dp/nothing_saveable")
+    assert saved.memory.temp_bytes < 0.6 * none.memory.temp_bytes
+    assert saved.cost.flops > none.cost.flops                  # the blocks' forward again
+    assert saved.memory.argument_bytes == none.memory.argument_bytes
+
+
+def test_scanned_layers_cannot_take_a_policy(mesh24):
+    step, args = zoo.make("llama_scan", layers=2, dim=16, heads=2, kv_heads=1, batch=8, seq=8,
+                          vocab=32)
+    with pytest.raises(BlockPolicyError, match="inside a loop.*nnx.remat.*policy 'none'"):
+        recipe_step(step, args, mesh24, "dp/nothing_saveable")
+    assert recipe_step(step, args, mesh24, "fsdp").blocks == ()
+
+
+def test_recipe_names():
+    assert len(all_recipes()) == 12
+    assert Recipe.parse("fsdp+tp/dots_saveable") == Recipe("fsdp+tp", "dots_saveable")
+    assert Recipe("tp").name == "tp"
+    with pytest.raises(ValueError, match="unknown recipe sharding 'zero'.*dp, fsdp"):
+        Recipe.parse("zero")
+    with pytest.raises(ValueError, match="unknown recipe policy 'full'.*nothing_saveable"):
+        Recipe.parse("dp/full")
+
+
+def test_cli_compare_prints_a_table(capsys):
+    code = cli.main(["compare", "--model", "mlp", "--layers", "2", "--width", "16", "--batch",
+                     "8", "--recipes", "dp", "--budgets", "4MiB", "--fit-compiles", "1",
+                     "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "compiled MiB" in out and "est. step ms" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert [r["name"] for r in result["recipes"]] == ["dp"]
+    assert result["recipes"][0]["compiled_bytes"] > 0
+    (kiwi,) = result["kiwi"]
+    assert kiwi["budget_bytes"] == 4 * 2**20 and kiwi["fits"] is True
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--recipes", "zero"], "unknown recipe sharding 'zero'"),
+    (["--budgets", "lots"], "lots"),
+])
+def test_cli_compare_rejects_bad_options(argv, message, capsys):
+    assert cli.main(["compare", "--model", "gpt", *argv]) == 2
+    assert message in capsys.readouterr().err
