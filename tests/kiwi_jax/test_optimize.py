@@ -50,12 +50,17 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
     for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
-    step, args = _step(name, mesh_factory(shape), **SEARCH)
+    # The budget search runs on 2x4; on the other meshes the solved plan runs as compiled: its
+    # numerics and collectives are what is tested there, and the search's compiles are the
+    # slowest part of the suite.
+    search = shape == (2, 4)
+    step, args = _step(name, mesh_factory(shape), **(SEARCH if search else {}))
     report = step.verify(*args, steps=3)
     assert report.steps == 3
     assert report.max_loss_rel_diff <= 1e-5
     assert report.max_param_rel_diff <= 1e-5
-    assert report.fits, report.table()         # the compiled step fits the budget it was given
+    if search:
+        assert report.fits, report.table()     # the compiled step fits the budget it was given
     if name != "linen_mlp" or shape == (4, 2):
         # Predicted vs compiled collective bytes, within 1.4% on the GPT and encoder, 4.3% on
         # the MLP. The Linen MLP (10-13 KB of collectives in all) is partitioned by XLA with
