@@ -52,19 +52,25 @@ def test_full_recomputation_keeps_only_what_crosses_a_layer_boundary():
     assert simulate(p, np.zeros(p.num_nodes, int), keep).peak_bytes < kept_peak
 
 
-def _brute_force(p, budget: int) -> float:
-    """The fastest keep flags under ``budget`` (one strategy per node): a dropped value's
-    droppable inputs are kept or dropped values of its own layer it may chain from."""
+def _keep_sets(p):
+    """Every ``(dropped set, keep flags)`` the rule allows: a dropped value's droppable inputs
+    are kept or dropped values of its own layer it may chain from."""
     candidates = np.flatnonzero(p.droppable)
     operands = p.operands()
-    strategy = np.zeros(p.num_nodes, int)
-    best = float("inf")
     for dropped in itertools.product((False, True), repeat=len(candidates)):
         gone = {int(i) for i, d in zip(candidates, dropped) if d}
         if any(i in gone and not p.chained(i, j) for j in gone for i in operands[j]):
             continue
         keep = np.ones(p.num_nodes, bool)
         keep[list(gone)] = False
+        yield gone, keep
+
+
+def _brute_force(p, budget: int) -> float:
+    """The fastest keep flags under ``budget`` (one strategy per node)."""
+    strategy = np.zeros(p.num_nodes, int)
+    best = float("inf")
+    for _, keep in _keep_sets(p):
         sim = simulate(p, strategy, keep)
         if sim.peak_bytes <= budget:
             best = min(best, sim.step_seconds)
@@ -129,16 +135,9 @@ def test_the_program_counts_every_chain_through_a_value_the_backward_pass_does_n
     p = _branch_problem()
     f = [int(i) for i in np.flatnonzero((p.phase == Phase.FORWARD) & ~p.z & (p.layer >= 0))]
     assert len(f) == 2 and p.droppable[f].all() and not p.recomputable[f].any()
-    candidates = np.flatnonzero(p.droppable)
-    operands = p.operands()
     strategy = np.zeros(p.num_nodes, int)
     checked = 0
-    for dropped in itertools.product((False, True), repeat=len(candidates)):
-        gone = {int(i) for i, d in zip(candidates, dropped) if d}
-        if any(i in gone and not p.chained(i, j) for j in gone for i in operands[j]):
-            continue
-        keep = np.ones(p.num_nodes, bool)
-        keep[list(gone)] = False
+    for gone, keep in _keep_sets(p):
         joint = build_joint(p, None, fixed_keep=keep, minimize_peak=True)
         result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
         claimed, simulated = joint.claimed_peak(result.x), simulate(p, strategy, keep).peak_bytes
