@@ -12,7 +12,7 @@ Variables and rows:
 - ``m_i`` binary for each forward node read by the backward pass (z_i = 1): 1 keeps it, 0 drops
   it after its last forward reader and recomputes it before its first backward reader, or, in a
   layer, before the first dropped value of the layer that is recomputed from it
-  (``ShardingProblem.recompute_stage``).
+  (``ShardingProblem.dropped_stages``; the rows bound that stage, see :func:`_memory_rows`).
 - ``w_i >= cost_i(s, e) - M_i m_i``: the recomputation cost, the (1 - m_i) z_i factor of eq. 2.
 - Memory: every value's lifetime is a union of intervals whose bytes are ``mem_i(s)`` or, for
   the windows a keep decision opens (kept value between its last forward and first backward use;
@@ -410,12 +410,16 @@ def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
 def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> int | None:
     """Lifetime terms of every value under KIWI's semantics, limited by the budget.
 
-    A value the backward pass does not read but a chain may recompute (droppable, not
-    recomputable) lives through the forward pass; dropped, it is alive again at its recompute
-    stage (and until the last dropped reader that stage serves: the operand terms)."""
+    A dropped value is recomputed at a stage its keep flags and those of its layer decide
+    (``ShardingProblem.dropped_stages``): its first backward reader's, or earlier for a chain.
+    The terms bound that from above: from its first backward reader, and from each chained
+    reader's earliest stage when both are dropped. A value the backward pass does not read but
+    a chain may recompute lives through the forward pass and, dropped, between its earliest and
+    latest recompute stages; an operand is held for a dropped reader until the reader's latest
+    recompute stage."""
     n = p.num_nodes
     last = np.minimum(p.live, n - 1)
-    stage = p.recompute_stage             # where a dropped value is recomputed
+    early, late = p.recompute_stage, p.latest_recompute_stage
     read_back = p.recomputable            # read by the backward pass
     readers = p.readers()
     terms: list[tuple[Expr, int, int]] = []
@@ -423,19 +427,24 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> 
         if p.phase[i] == Phase.PARAM:
             terms.append((b.mem(i), 0, n - 1))
         elif read_back[i]:
+            first = int(p.first_bwd_use[i])
             terms.append((b.mem(i), i, int(p.fwd_last_use[i])))
-            terms.append((b.mem(i), int(stage[i]), int(last[i])))
-            if stage[i] - 1 > p.fwd_last_use[i]:
+            terms.append((b.mem(i), first, int(last[i])))
+            if first - 1 > p.fwd_last_use[i]:
                 terms.append((b.conditional(i, keep_expr[i]), int(p.fwd_last_use[i]) + 1,
-                              int(stage[i]) - 1))
+                              first - 1))
+            for j in readers[i]:            # recomputed early for a dropped chained reader
+                if p.chained(i, j) and early[j] < first:
+                    both = const(1.0) - keep_expr[i] - keep_expr[j]
+                    terms.append((b.conditional(i, both, signed=True), int(early[j]), first - 1))
         else:
             terms.append((b.mem(i), i, int(last[i])))
-            if droppable[i]:                # recomputed for its chained readers, the last of
-                until = max(int(stage[j]) for j in readers[i] if p.chained(i, j))  # them here
-                terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(stage[i]), until))
+            if droppable[i]:
+                terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
+                              int(late[i])))
     for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
         src, dst = int(src), int(dst)
-        if not droppable[dst] or p.phase[src] != Phase.FORWARD or stage[dst] <= last[src]:
+        if not droppable[dst] or p.phase[src] != Phase.FORWARD or late[dst] <= last[src]:
             continue
         dropped = const(1.0) - keep_expr[dst]
         if dropped.is_constant and dropped.constant == 0.0:
@@ -444,7 +453,7 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> 
             # a chain through a value the backward pass does not read: dropped, its copy is
             # counted above; kept, it is held from its last forward reader for this one
             terms.append((b.conditional(src, keep_expr[src] - keep_expr[dst], signed=True),
-                          int(last[src]) + 1, int(stage[dst])))
+                          int(last[src]) + 1, int(late[dst])))
             continue
-        terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(stage[dst])))
+        terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(late[dst])))
     return b.limit_memory(terms, budget, minimize_peak)

@@ -152,22 +152,57 @@ class ShardingProblem:
 
     @property
     def recompute_stage(self) -> np.ndarray:
-        """int per node: the stage in which a dropped value is recomputed (-1 for values that
-        are not droppable).
+        """int per node: the earliest stage in which a dropped value can be recomputed (-1 for
+        values that are not droppable); the keep flags decide the stage itself
+        (:meth:`dropped_stages`).
 
         Outside layers it is the stage of the value's first backward reader (KIWI's reduced
         semantics). Inside a layer a dropped value may be read by the recomputation of another
-        dropped value of the layer (a chain, :meth:`chained`), so it is recomputed early enough
-        for those too: the earliest of its first backward reader's stage and the stages of its
-        droppable readers in the layer, where those come after its last forward reader (an
-        earlier one reads the value before it is dropped). With no chained reader this is
-        KIWI's stage; the plans of eq. 9 keep their meaning.
+        dropped value of the layer (a chain, :meth:`chained`): the earliest of its first
+        backward reader's stage and those of its droppable readers in the layer, where those
+        come after its last forward reader (an earlier one reads the value before it is
+        dropped).
 
         References:
           KIWI (Liu et al.), sec. 3.2 (X sets, eq. 9); Checkmate (Jain et al., 2020), sec. 4
           (a recomputation may read recomputed values).
         """
         return self._recompute_plan[1]
+
+    @functools.cached_property
+    def latest_recompute_stage(self) -> np.ndarray:
+        """int per node: the latest stage a dropped value can be recomputed in (-1 for values
+        that are not droppable): its first backward reader's, or, for a value the backward pass
+        does not read, the latest of its chained readers'. With :attr:`recompute_stage` (the
+        earliest) it brackets the stage the keep flags give (:meth:`dropped_stages`)."""
+        droppable, stage = self.droppable, self.recompute_stage
+        late = np.where(self.recomputable, self.first_bwd_use, -1)
+        readers = self.readers()
+        for i in reversed(range(self.num_nodes)):
+            if droppable[i] and not self.recomputable[i]:
+                late[i] = max(late[j] for j in readers[i] if self.chained(i, j))
+        return np.where(droppable, late, -1) if len(stage) else late
+
+    def dropped_stages(self, keep) -> dict[int, int]:
+        """The stage each dropped value is recomputed in, given the keep flags: the earliest of
+        its first backward reader's and those of the dropped values of its layer that chain
+        from it (a value the backward pass does not read is recomputed only for such readers,
+        and not at all without one)."""
+        keep = np.asarray(keep, bool)
+        droppable, recomputable = self.droppable, self.recomputable
+        readers = self.readers()
+        n = self.num_nodes
+        stage: dict[int, int] = {}
+        for i in reversed(range(n)):
+            if keep[i] or not droppable[i]:
+                continue
+            first = int(self.first_bwd_use[i]) if recomputable[i] else n
+            for j in readers[i]:
+                if j in stage and self.chained(i, j) and stage[j] > self.fwd_last_use[i]:
+                    first = min(first, stage[j])
+            if first < n:
+                stage[i] = first
+        return stage
 
     @functools.cached_property
     def _recompute_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

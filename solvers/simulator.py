@@ -70,16 +70,10 @@ class SimResult:
 def reduced_schedule(problem: ShardingProblem, keep) -> dict[int, tuple[int, ...]]:
     """KIWI's reduced semantics: each dropped forward value read by the backward pass is
     recomputed once, in the stage of its first backward reader, or earlier where a dropped
-    value of its layer is recomputed from it; a dropped value of a chain the backward pass does
-    not read, at the stage of its layer's first dropped reader
-    (:attr:`~solvers.problem.ShardingProblem.recompute_stage`)."""
-    keep = np.asarray(keep, bool)
-    dropped = problem.droppable & ~keep
-    stage = problem.recompute_stage
-    readers = problem.readers()
-    return {int(i): (int(stage[i]),) for i in np.flatnonzero(dropped)
-            if problem.recomputable[i] or any(dropped[j] and problem.chained(int(i), j)
-                                              for j in readers[i])}
+    value of its layer is recomputed from it; a dropped value the backward pass does not read,
+    at the stage of its first dropped reader that chains from it (not at all without one: it is
+    then as good as kept). See :meth:`~solvers.problem.ShardingProblem.dropped_stages`."""
+    return {i: (t,) for i, t in problem.dropped_stages(keep).items()}
 
 
 def simulate(problem: ShardingProblem, strategy, keep=None,
