@@ -380,3 +380,16 @@ def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh24):
     chained = [(i, j) for j in plan.recomputed for i in operands[j] if i in plan.recomputed]
     assert chained and all(problem.chained(i, j) for i, j in chained)
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
+
+
+def test_a_model_with_its_own_checkpoint_is_planned_and_keeps_it(mesh24):
+    """A block under jax.checkpoint in the model (the reference GPT's remat option) is planned
+    around: the interpreter keeps the model's recomputation behind its barrier, and the step
+    computes what the plain step computes."""
+    ref = build("gpt", **SMALL["gpt"], remat="nothing_saveable")
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, memory_budget="100%", **FAST)
+    report = step.verify(*ref.init(0), ref.batch(0), steps=2)
+    assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
+    # the plan recomputes nothing itself, so the barriers are the model's checkpoint's
+    assert not step.plan.recomputed
+    assert "opt-barrier" in step.prepared.applied.compiled.as_text()
