@@ -18,7 +18,7 @@ from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.step import PureStep
 
-__all__ = ["KEEP_REMAT", "CompiledPlan", "Prepared", "compile_plan", "compiler_options"]
+__all__ = ["KEEP_REMAT", "CompiledPlan", "Prepared", "compile_plan", "compiler_options", "jit_step"]
 
 KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 """Compiler options that keep recomputation on the CPU backend, whose CSE otherwise merges a
@@ -65,6 +65,15 @@ def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
         traced, list(plan.specs), plan.recomputed, mesh,
         beside=plan.hidden_under if overlap else None,
         chains=plan.solver not in solvers.LYNX_SOLVERS)
+    jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, state_out, donate)
+    compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
+    return CompiledPlan(tuple(in_shardings), tuple(out_shardings), state_out, jitted, compiled)
+
+
+def jit_step(fn, in_shardings, out_shardings, state_out: int | None, donate: bool = True):
+    """``(jax.jit(fn, ...), out_shardings)`` for a step whose updated state (output
+    ``state_out``, see :func:`kiwi_jax.step.carried_state`) keeps the input state's layout and,
+    with ``donate``, reuses its buffers; a plan's step and a recipe's are jitted alike."""
     donate_argnums = ()
     if state_out is not None:
         out_list = list(out_shardings)
@@ -73,8 +82,7 @@ def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
         donate_argnums = (0,) if donate else ()
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=donate_argnums, keep_unused=True)
-    compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
-    return CompiledPlan(tuple(in_shardings), tuple(out_shardings), state_out, jitted, compiled)
+    return jitted, out_shardings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hlo_tools.compiled import MemoryStats, device_memory
-from kiwi_jax.compile import compiler_options
+from kiwi_jax.compile import compiler_options, jit_step
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
 from kiwi_jax.recipe_specs import (SHARDINGS, batch_axes, data_flow, parameters, recipe_specs,
@@ -175,14 +175,9 @@ def _jitted(recipe, pure: PureStep, specs, mesh, donate: bool, blocks: tuple) ->
     outputs = jax.eval_shape(pure.fn, *pure.args)
     state_out = carried_state(pure, outputs)
     replicated = NamedSharding(mesh, P())
-    out = [jax.tree.map(lambda _: replicated, o) for o in outputs] \
+    out = tuple(jax.tree.map(lambda _: replicated, o) for o in outputs) \
         if isinstance(outputs, (tuple, list)) else jax.tree.map(lambda _: replicated, outputs)
-    if state_out is not None:
-        out[state_out] = in_shardings[0]
-    out_shardings = tuple(out) if isinstance(out, list) else out
-    jitted = jax.jit(pure.fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                     donate_argnums=(0,) if donate and state_out is not None else (),
-                     keep_unused=True)
+    jitted, out_shardings = jit_step(pure.fn, in_shardings, out, state_out, donate)
     return RecipeStep(recipe, pure, tuple(specs), in_shardings, out_shardings, state_out,
                       jitted, blocks)
 

@@ -351,21 +351,21 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     model, n = b.model, problem.num_nodes
     cost = b.node_costs()
 
-    recomputable = p.droppable               # KIWI's z_i values, and the chains' (see below)
+    droppable = p.droppable                  # KIWI's z_i values, and the chains' (see below)
     m_vars: dict[int, int] = {}
     if fixed_keep is None:
-        candidates = [int(i) for i in np.flatnonzero(recomputable)]
+        candidates = [int(i) for i in np.flatnonzero(droppable)]
         for i in sorted(candidates, key=lambda i: b.tie[i] != i):     # representatives first
             twin = int(b.tie[i])
             m_vars[i] = m_vars[twin] if twin in m_vars else model.add_var()
         keep_expr = [var(m_vars[i]) if i in m_vars else const(1.0) for i in range(n)]
     else:
         fixed = np.asarray(fixed_keep, bool)
-        keep_expr = [const(1.0 if fixed[i] or not recomputable[i] else 0.0) for i in range(n)]
+        keep_expr = [const(1.0 if fixed[i] or not droppable[i] else 0.0) for i in range(n)]
 
     ub = np.full(model.num_vars, 1.0)
     objective = list(cost)
-    for i in np.flatnonzero(recomputable):
+    for i in np.flatnonzero(droppable):
         i = int(i)
         if i in m_vars:
             big = cost[i].upper(ub)
@@ -375,25 +375,25 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
             objective.append(var(w))
         elif keep_expr[i].constant == 0.0:
             objective.append(cost[i])
-    _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable)
+    _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable)
 
     if max_seconds is not None:
         model.add_row(total(objective), -np.inf, max_seconds / b.units.seconds)
     peak_var = None
     if budget_bytes is not None or minimize_peak:
-        peak_var = _memory_rows(p, b, keep_expr, recomputable, budget_bytes, minimize_peak)
+        peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
                       b.u_vars)
 
 
-def _recompute_inputs_kept(p, model, m_vars, keep_expr, recomputable) -> None:
-    """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between recomputable nodes, but for the edges
+def _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable) -> None:
+    """KIWI eq. 9 / 31: m_i + m_j >= 1 on edges between droppable nodes, but for the edges
     inside a layer, where a recomputed value may read another (``p.chained``)."""
     seen = set()
     for src, dst in p.uses:
         src, dst = int(src), int(dst)
-        if not (recomputable[src] and recomputable[dst]) or p.chained(src, dst):
+        if not (droppable[src] and droppable[dst]) or p.chained(src, dst):
             continue
         if src in m_vars and dst in m_vars:
             pair = tuple(sorted((m_vars[src], m_vars[dst])))

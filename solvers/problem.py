@@ -175,13 +175,13 @@ class ShardingProblem:
         that are not droppable): its first backward reader's, or, for a value the backward pass
         does not read, the latest of its chained readers'. With :attr:`recompute_stage` (the
         earliest) it brackets the stage the keep flags give (:meth:`dropped_stages`)."""
-        droppable, stage = self.droppable, self.recompute_stage
-        late = np.where(self.recomputable, self.first_bwd_use, -1)
+        droppable, recomputable = self.droppable, self.recomputable
+        late = np.where(recomputable, self.first_bwd_use, -1)
         readers = self.readers()
         for i in reversed(range(self.num_nodes)):
-            if droppable[i] and not self.recomputable[i]:
+            if droppable[i] and not recomputable[i]:
                 late[i] = max(late[j] for j in readers[i] if self.chained(i, j))
-        return np.where(droppable, late, -1) if len(stage) else late
+        return late
 
     def dropped_stages(self, keep) -> dict[int, int]:
         """The stage each dropped value is recomputed in, given the keep flags: the earliest of
