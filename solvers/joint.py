@@ -148,6 +148,7 @@ class Builder:
         self.s_vars: dict[int, np.ndarray] = {}
         self.e_cache: dict = {}
         self.class_cache: dict = {}
+        self.g_cache: dict = {}
         self._mem: list[Expr | None] = [None] * problem.num_nodes
         k = problem.num_strategies
         leaders = [int(leader) for leader in problem.leaders if k[leader] > 1]
@@ -193,10 +194,13 @@ class Builder:
         if mem.is_constant and not signed:
             return condition * mem.constant
         big = float(self.p.memory[i].max()) / self.units.bytes
-        g = self.model.add_var(lb=0.0, ub=big, integer=False,
-                               resolution=self.units.memory_resolution)
-        self.model.add_row(var(g) - mem - condition * big, -big, np.inf)
-        return var(g)
+        key = (mem.key, condition.key, big)       # tied layers ask for the same product
+        if key not in self.g_cache:
+            g = self.model.add_var(lb=0.0, ub=big, integer=False,
+                                   resolution=self.units.memory_resolution)
+            self.model.add_row(var(g) - mem - condition * big, -big, np.inf)
+            self.g_cache[key] = g
+        return var(self.g_cache[key])
 
     def limit_memory(self, terms, budget, minimize_peak: bool) -> int | None:
         """Rows that keep the bytes alive at every time under ``budget``.
@@ -365,14 +369,17 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
 
     ub = np.full(model.num_vars, 1.0)
     objective = list(cost)
+    w_vars: dict[tuple, int] = {}            # tied layers' twins share their w
     for i in np.flatnonzero(droppable):
         i = int(i)
         if i in m_vars:
-            big = cost[i].upper(ub)
-            w = model.add_var(lb=0.0, ub=big, integer=False,
-                              resolution=b.units.time_resolution)
-            model.add_row(var(w) - cost[i] + var(m_vars[i], big), 0.0, np.inf)
-            objective.append(var(w))
+            key = (m_vars[i], cost[i].key)
+            if key not in w_vars:
+                big = cost[i].upper(ub)
+                w_vars[key] = model.add_var(lb=0.0, ub=big, integer=False,
+                                            resolution=b.units.time_resolution)
+                model.add_row(var(w_vars[key]) - cost[i] + var(m_vars[i], big), 0.0, np.inf)
+            objective.append(var(w_vars[key]))
         elif keep_expr[i].constant == 0.0:
             objective.append(cost[i])
     _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable)

@@ -34,6 +34,12 @@ class Expr:
     def is_constant(self) -> bool:
         return not len(self.indices)
 
+    @property
+    def key(self) -> tuple:
+        """A hashable identity: equal keys, equal expressions (the same terms in the same
+        order; an expression built the same way from the same variables has the same key)."""
+        return self.indices.tobytes(), self.coefs.tobytes(), self.constant
+
     def upper(self, ub: np.ndarray) -> float:
         """Its largest value for variables in [0, ub] (coefficients >= 0 assumed)."""
         return float(self.constant + np.maximum(self.coefs, 0) @ ub[self.indices])
