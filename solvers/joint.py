@@ -202,13 +202,16 @@ class Builder:
             self.g_cache[key] = g
         return var(self.g_cache[key])
 
-    def limit_memory(self, terms, budget, minimize_peak: bool) -> int | None:
+    def limit_memory(self, terms, budget, minimize_peak: bool,
+                     skip: np.ndarray | None = None) -> int | None:
         """Rows that keep the bytes alive at every time under ``budget``.
 
         Args:
           terms: ``(bytes expression, first time, last time)`` of every lifetime interval.
           budget: the per-device budget in bytes (ignored when minimising the peak).
           minimize_peak: add and return a variable >= every U_k.
+          skip: per time, True where no row is needed (see :func:`solvers.reuse.
+            inner_repeats`); None: rows at every time.
 
         The peak can only occur where some interval ends, so ``U_k`` is kept for those times
         only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8).
@@ -216,6 +219,8 @@ class Builder:
         model = self.model
         terms = [t for t in terms if not t[0].is_constant or t[0].constant]
         ends = np.unique([z for _, _, z in terms])
+        if skip is not None:
+            ends = ends[~skip[ends]]
         first_k = np.searchsorted(ends, [a for _, a, _ in terms])
         last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
         most = sum(float(m.max()) for m in self.p.memory) / self.units.bytes
@@ -335,7 +340,8 @@ def _first_of_class(classes: np.ndarray) -> np.ndarray:
 
 def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=None,
                 minimize_peak: bool = False, tie: np.ndarray | None = None,
-                max_seconds: float | None = None) -> JointModel:
+                max_seconds: float | None = None,
+                skip_times: np.ndarray | None = None) -> JointModel:
     """Build the joint program.
 
     Args:
@@ -349,6 +355,9 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         :func:`solvers.reuse.layer_ties`), or None.
       max_seconds: an upper bound on the step time (with ``minimize_peak``: the smallest peak
         among the plans at most this slow).
+      skip_times: per time, True where the memory rows may be left out (the inner repeats of
+        a tied program, :func:`solvers.reuse.inner_repeats`); the caller checks the plan's
+        replay against the budget. None: rows at every time.
     """
     start = time.perf_counter()
     p, b = problem, Builder(problem, tie)
@@ -388,7 +397,8 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         model.add_row(total(objective), -np.inf, max_seconds / b.units.seconds)
     peak_var = None
     if budget_bytes is not None or minimize_peak:
-        peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak)
+        peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak,
+                                skip_times)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
                       b.u_vars)
@@ -414,7 +424,8 @@ def _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable) -> None:
                              f"recomputed but its input {p.names[src]} is not kept")
 
 
-def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> int | None:
+def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
+                 skip) -> int | None:
     """Lifetime terms of every value under KIWI's semantics, limited by the budget.
 
     A dropped value is recomputed at a stage its keep flags and those of its layer decide
@@ -463,4 +474,4 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak) -> 
                           int(last[src]) + 1, int(late[dst])))
             continue
         terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(late[dst])))
-    return b.limit_memory(terms, budget, minimize_peak)
+    return b.limit_memory(terms, budget, minimize_peak, skip)

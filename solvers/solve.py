@@ -20,7 +20,7 @@ from solvers.heuristics import RULES
 from solvers.joint import build_joint
 from solvers.options import DEFAULTS, SolverOptions
 from solvers.problem import ShardingProblem
-from solvers.reuse import has_ties
+from solvers.reuse import has_ties, inner_repeats
 from solvers.simulator import reduced_schedule, simulate
 from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, SolverTimeoutError,
                               Status, gap_to, status_within_gap)
@@ -37,7 +37,8 @@ held tighter than the plans solved under a budget (:data:`solvers.options.DEFAUL
 log = logging.getLogger(__name__)
 
 
-def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers):
+def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers,
+                 skip: np.ndarray | None = None):
     if solver not in MILP_SOLVERS:
         raise ValueError(f"{solver!r} is not one of the MILP formulations "
                          f"({', '.join(MILP_SOLVERS)})")
@@ -46,7 +47,24 @@ def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, r
     fixed = None if solver == "kiwi" else RULES[solver](problem)
     tie = problem.ties if reuse_layers else None
     return build_joint(problem, budget, fixed_keep=fixed, minimize_peak=minimize_peak,
-                       tie=tie), fixed
+                       tie=tie, skip_times=skip), fixed
+
+
+def _skipped_times(problem: ShardingProblem, solver: str, reuse_layers: bool):
+    """The times whose memory rows the tied program leaves out (the inner repeats of its
+    layers, :func:`solvers.reuse.inner_repeats`); None: rows everywhere."""
+    if solver == "kiwi-full" or not reuse_layers or not has_ties(problem.ties):
+        return None
+    inner = inner_repeats(problem, problem.ties)
+    return inner if inner.any() else None
+
+
+def _restored(problem: ShardingProblem, skip, over: np.ndarray):
+    """``skip`` with the rows put back in every layer where the replay is over the budget
+    (``over``, per time) and rows were left out; None when no such row was left out."""
+    if skip is None or not (over & skip).any():
+        return None
+    return skip & ~np.isin(problem.layer, np.unique(problem.layer[over & skip]))
 
 
 def _decode(joint, problem: ShardingProblem, x: np.ndarray, fixed):
@@ -144,8 +162,10 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     """One solve, until ``deadline`` (``time.perf_counter()``; building the model counts, at
     least a second is left to the backend). None: the budget is infeasible."""
     limit = budget_bytes
-    for _attempt in range(3):
-        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers)
+    skip = None if budget_bytes is None else _skipped_times(problem, solver, reuse_layers)
+    attempts = 0
+    while attempts < 3:
+        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers, skip)
         time_limit = max(deadline - time.perf_counter(), 1.0)
         log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
                  joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
@@ -171,11 +191,19 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         peak = sim.peak_bytes
         if budget_bytes is None or peak <= budget_bytes:
             break
+        restored = _restored(problem, skip, sim.memory_timeline > budget_bytes)
+        if restored is not None:          # over where the tied program had no rows
+            log.info("%s: plan peaks at %d bytes, over the budget of %d in a repeated layer "
+                     "left without memory rows; solving again with its rows", solver, peak,
+                     budget_bytes)
+            skip = restored
+            continue
         # The backend's feasibility tolerance let a plan through that the simulator puts over
         # the budget: solve again with the excess taken off.
         log.warning("%s: plan peaks at %d bytes, over the budget of %d by the backend's "
                     "tolerance; solving again", solver, peak, budget_bytes)
         limit -= peak - budget_bytes
+        attempts += 1
     else:
         raise SolverError(f"{solver}: the backend's plans stay over the budget ({peak} > "
                           f"{budget_bytes} bytes)")
@@ -278,7 +306,8 @@ def min_peak_plan(problem: ShardingProblem, solver: str = DEFAULTS.solver,
       ``budget_bytes`` the budget it needs) and a bound no plan's budget goes under (the plan's
       budget when the search finished); ``(None, None)`` when the search found no plan.
     """
-    joint, fixed = _formulation(problem, solver, None, True, reuse_layers)
+    joint, fixed = _formulation(problem, solver, None, True, reuse_layers,
+                                _skipped_times(problem, solver, reuse_layers))
     result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap)
     if result.x is None:
         return None, None
@@ -291,9 +320,11 @@ def min_peak_plan(problem: ShardingProblem, solver: str = DEFAULTS.solver,
                     num_constraints=joint.model.num_rows, budget_bytes=needs,
                     strategy=strategy, keep=keep, recompute_at=schedule,
                     peak_bytes=sim.peak_bytes, claimed_peak_bytes=claimed)
-    lower = needs if result.status == Status.OPTIMAL \
-        else min(needs, int(np.floor(result.bound * joint.units.bytes)))
-    return plan, lower
+    # the program's optimum (or bound) is the lower bound; with the rows of inner repeats left
+    # out, the replay may need more than the claim (the plan's budget), never less
+    bound = claimed if result.status == Status.OPTIMAL and claimed is not None \
+        else int(np.floor(result.bound * joint.units.bytes))
+    return plan, min(needs, bound)
 
 
 def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:

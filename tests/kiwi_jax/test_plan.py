@@ -3,6 +3,7 @@
 import dataclasses
 import inspect
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 from kiwi_jax.plan import Plan
 
+SOLVE_MODULE = sys.modules["solvers.solve"]     # solvers.solve is the function
 SMALL_GPT = {"layers": 3, "hidden": 32, "heads": 2, "seq": 8, "batch": 4, "vocab": 64}
 
 
@@ -190,3 +192,49 @@ def test_the_cli_and_the_decorator_give_the_same_plan(capsys, mesh24):
     plan = step.lower(*ref.abstract_init(), ref.abstract_batch()).plan
     assert plan.summary()["budget_bytes"] == printed["budget_bytes"]
     assert plan.fingerprint == printed["fingerprint"]
+
+
+@pytest.fixture(scope="module")
+def gpt6():
+    return _problem("gpt", "1x2", **{**SMALL_GPT, "layers": 6})
+
+
+def test_the_tied_program_leaves_out_the_rows_of_inner_repeats_only(gpt6):
+    inner = solvers.reuse.inner_repeats(gpt6, gpt6.ties)
+    assert set(np.unique(gpt6.layer[inner]).tolist()) == {2, 3}
+    assert inner[gpt6.layer >= 0].sum() == ((gpt6.layer == 2) | (gpt6.layer == 3)).sum()
+    assert not solvers.reuse.inner_repeats(gpt6, np.arange(gpt6.num_nodes)).any()  # untied
+
+
+def _tight_budget(problem):
+    reference = solvers.reference_plan(problem)
+    low, _ = solvers.min_feasible_budget(problem, "kiwi", reuse_layers=True)
+    return (low + reference.peak_bytes) // 2
+
+
+def test_left_out_rows_cost_nothing_and_the_plan_fits(gpt6, monkeypatch):
+    """Without the inner repeats' rows the tied program is a relaxation: its plan, replayed,
+    fits the budget and is no slower than the plan of the program with every row."""
+    budget = _tight_budget(gpt6)
+    fewer = solvers.solve(gpt6, budget, solver="kiwi", reuse_layers=True, mip_gap=1e-6)
+    monkeypatch.setattr(SOLVE_MODULE, "_skipped_times", lambda *args: None)
+    full = solvers.solve(gpt6, budget, solver="kiwi", reuse_layers=True, mip_gap=1e-6)
+    assert fewer.num_constraints < full.num_constraints
+    for plan in (fewer, full):
+        assert solvers.simulate(gpt6, plan.strategy, recompute_at=plan.recompute_at
+                                ).peak_bytes <= budget
+    assert fewer.objective <= full.objective * (1 + 1e-6)
+
+
+def test_a_layer_over_the_budget_gets_its_rows_back(gpt6, monkeypatch, caplog):
+    """Leave out every row: the program's plan is the fastest one, over the budget, and the
+    solve puts the rows of the layers (and of the rest of the step) it is over in back until
+    its plan fits."""
+    budget = _tight_budget(gpt6)
+    monkeypatch.setattr(SOLVE_MODULE, "_skipped_times",
+                        lambda problem, *args: np.ones(problem.num_nodes, bool))
+    with caplog.at_level("INFO", logger="solvers.solve"):
+        plan = solvers.solve(gpt6, budget, solver="kiwi", reuse_layers=True)
+    assert "left without memory rows" in caplog.text
+    assert solvers.simulate(gpt6, plan.strategy, recompute_at=plan.recompute_at
+                            ).peak_bytes <= budget
