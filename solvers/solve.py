@@ -112,12 +112,23 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
         raise ValueError(f"{solver!r} is not one of the MILP formulations "
                          f"({', '.join(MILP_SOLVERS)}); solvers.solve takes every formulation")
     deadline = time.perf_counter() + time_limit
-    staged = warm_start == "auto"
-    if staged:
-        warm_start = None if budget_bytes is None else _warm_start(
-            problem, solver, budget_bytes, backend, time_limit, reuse_layers)
     settings = {"backend": backend, "mip_gap": options.mip_gap, "seed": options.seed,
                 "threads": options.threads, "reuse_layers": reuse_layers}
+    staged = warm_start == "auto"
+    first = _NO_PLAN
+    if staged:
+        warm_start = None
+        if budget_bytes is not None and _direct_first(problem, solver, reuse_layers):
+            first = _first_solve(problem, budget_bytes, solver,
+                                 time.perf_counter() + DIRECT_SHARE * time_limit, settings)
+            if first is not _NO_PLAN and (first is None or first.status == Status.OPTIMAL):
+                return _answer(problem, solver, budget_bytes, first, search_min_feasible,
+                               backend, time_limit, reuse_layers)
+            if first is not _NO_PLAN:
+                warm_start = first                   # improved on with the time left
+        if warm_start is None and budget_bytes is not None:
+            warm_start = _warm_start(problem, solver, budget_bytes, backend,
+                                     max(deadline - time.perf_counter(), 1.0), reuse_layers)
     try:
         solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **settings)
     except SolverTimeoutError:
@@ -132,6 +143,13 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
                     "(%.6g s > %.6g s); returning the warm start", solver,
                     solution.objective, warm_start.objective)
         solution = _incumbent(warm_start, solver, solution)
+    return _answer(problem, solver, budget_bytes, solution, search_min_feasible, backend,
+                   time_limit, reuse_layers)
+
+
+def _answer(problem, solver, budget_bytes, solution, search_min_feasible, backend, time_limit,
+            reuse_layers) -> Solution:
+    """``solution``, or the error for a budget no plan fits (``solution`` None)."""
     if solution is None and not search_min_feasible:
         raise InfeasibleBudgetError(solver, int(budget_bytes), None, searched=False)
     if solution is None:
@@ -139,6 +157,33 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
                                         time_limit=time_limit, reuse_layers=reuse_layers)
         raise InfeasibleBudgetError(solver, int(budget_bytes), high, low)
     return solution
+
+
+DIRECT_SHARE = 0.8
+"""Share of the time limit the tied program is solved in directly, before any warm-start
+stage (:func:`_direct_first`)."""
+_NO_PLAN = object()
+"""The direct solve ran out of time without a plan."""
+
+
+def _direct_first(problem: ShardingProblem, solver: str, reuse_layers: bool) -> bool:
+    """Whether the program is solved directly before any warm-start stage: the tied program
+    of a model with repeated layers, where the backend finds its plans itself. The stages
+    cost more than they save there: the 4-layer KIWI-config GPT on 2x4 at 80% took 38.9 CPU
+    seconds staged and 20 direct, to the same plan; the 20-layer one 50 CPU seconds direct
+    (``experiments.solve_time``)."""
+    return solver != "kiwi-full" and reuse_layers and has_ties(problem.ties)
+
+
+def _first_solve(problem, budget, solver, deadline, settings):
+    """The direct solve until ``deadline``: its plan, None for an infeasible budget, or
+    :data:`_NO_PLAN` when it ran out of time without one (the warm-start stages get the rest)."""
+    try:
+        return _solve(problem, budget, solver, None, deadline, **settings)
+    except SolverTimeoutError:
+        log.info("%s: no plan from the direct solve in %.0f%% of the time limit; warm-start "
+                 "stages next", solver, 100 * DIRECT_SHARE)
+        return _NO_PLAN
 
 
 def _incumbent(warm_start: Solution, solver: str, final: Solution | None) -> Solution:
