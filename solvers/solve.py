@@ -93,9 +93,12 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
       budget_bytes: per-device memory budget, or None.
       options: formulation, backend and limits (see :class:`~solvers.options.SolverOptions`).
       warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
-        (default): under a budget, first find a plan that fits (the backends' own heuristics
-        often find none on large graphs) from the tied program of repeated layers or from the
-        peak-minimising program (see :func:`_warm_start`); None: no warm start.
+        (default): under a budget, the tied program of a model with repeated layers is first
+        solved directly for :data:`DIRECT_SHARE` of the time (:func:`_direct_first`); its plan
+        is the answer when proven, else the start of a final solve in the time left. Without
+        a plan from it, or without ties, a plan that fits is first found (the backends' own
+        heuristics often find none on large untied graphs) from the tied program or from the
+        peak-minimising program (see :func:`_warm_start`). None: no warm start.
       search_min_feasible: when no plan fits, search the smallest feasible budget for the
         error (several more solves); False: raise at once.
 
