@@ -233,7 +233,8 @@ def resolve_budget(budget, problem, **options) -> int:
             raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
         reference = solvers.reference_plan(
             problem, **{k: v for k, v in options.items()
-                        if k in ("backend", "time_limit", "seed", "threads")})
+                        if k in ("backend", "time_limit", "seed", "threads",
+                                 "reuse_layers")})
         return int(fraction * reference.peak_bytes)
     return parse_bytes(budget)
 

@@ -85,7 +85,8 @@ def solve_lynx(problem: ShardingProblem, budget_bytes: int | None, options: Solv
         raise ValueError("lynx-heu starts from no plan: pass warm_start='auto' or None, or use "
                          "lynx-opt to start from a plan")
     backend = {"backend": options.backend, "seed": options.seed, "threads": options.threads}
-    strategy = reference_plan(problem, time_limit=options.time_limit, **backend).strategy
+    strategy = reference_plan(problem, time_limit=options.time_limit,
+                              reuse_layers=options.reuse_layers, **backend).strategy
     if isinstance(warm_start, Solution) and not np.array_equal(warm_start.strategy, strategy):
         raise ValueError("lynx-opt keeps the reference plan's sharding, but the warm start has "
                          "another: pass a Lynx plan of this problem, 'auto' (Lynx-HEU's plan) "

