@@ -186,7 +186,7 @@ def test_the_cli_and_the_decorator_give_the_same_plan(capsys, mesh24):
     ref = build("mlp", **config)
     # the plan as solved (no search against the compiled step, which the CLI does not compile)
     step = optimize(ref.train_step, mesh=mesh24, memory_budget="90%", cache_dir=False,
-                    fit_compiles=0)
+                    fit_compiles=0, recipes=False)
     plan = step.lower(*ref.abstract_init(), ref.abstract_batch()).plan
     assert plan.summary()["budget_bytes"] == printed["budget_bytes"]
     assert plan.fingerprint == printed["fingerprint"]
