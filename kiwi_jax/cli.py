@@ -67,8 +67,10 @@ def _reference(args):
 
 def _check_args(args) -> None:
     """Parse every option that names something (mesh, cluster, memory model, budget, solver,
-    backend) before any work, so a typo is a usage error rather than a failure later on."""
+    backend, verify's recipes) before any work, so a typo is a usage error rather than a
+    failure later on."""
     import solvers
+    from kiwi_jax.choose import parse_recipes
     from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
     from kiwi_jax.problem import check_memory_model
 
@@ -79,6 +81,8 @@ def _check_args(args) -> None:
         budget = getattr(args, "budget", None)
         if budget is not None and not budget.strip().endswith("%"):
             parse_bytes(budget)
+        if args.command == "verify":
+            parse_recipes(_verify_recipes(args))
     except ValueError as error:
         raise UsageError(str(error)) from error
     solver = getattr(args, "solver", None)
@@ -209,23 +213,23 @@ def _initialize_distributed(args) -> None:
                                num_processes=args.num_processes, process_id=args.process_id)
 
 
+def _verify_recipes(args):
+    """``verify``'s ``recipes`` option for the decorator: False (``--no-recipes``), the names
+    given, or True (all)."""
+    return False if args.no_recipes else tuple(args.recipes) if args.recipes else True
+
+
 def _cmd_verify(args) -> dict:
     import jax
 
     import solvers
     from hlo_tools.compiled import device_memory
-    from kiwi_jax.choose import parse_recipes
     from kiwi_jax.cluster import MeshSpec
     from kiwi_jax.optimize import optimize
     from kiwi_jax.step import functionalize
 
     ref = _reference(args)
     shape = MeshSpec.parse(args.mesh).shape
-    recipes = False if args.no_recipes else tuple(args.recipes) if args.recipes else True
-    try:
-        parse_recipes(recipes)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
     _initialize_distributed(args)
     if jax.device_count() < shape[0] * shape[1]:
         raise UsageError(f"mesh {args.mesh} needs {shape[0] * shape[1]} devices, this process has "
@@ -238,7 +242,7 @@ def _cmd_verify(args) -> dict:
                     mip_gap=args.gap, reuse_layers=args.reuse_layers,
                     cache_dir=False if args.no_cache else args.cache_dir,
                     memory_model=args.memory_model, fit_compiles=args.fit_compiles,
-                    recipes=recipes)
+                    recipes=_verify_recipes(args))
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
            "cluster": args.cluster, "process_id": jax.process_index(),

@@ -13,6 +13,7 @@ import pytest
 
 import kiwi_jax
 import solvers
+from kiwi_jax import cli
 from kiwi_jax.choose import KIWI, Choice, RecipeRow, choose, parse_recipes
 from kiwi_jax.models import build
 from kiwi_jax.optimize import OptimizedStep
@@ -68,6 +69,11 @@ def test_recipes_option_is_parsed_and_bad_names_are_refused(mesh24):
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", recipes="zero")
     with pytest.raises(ValueError, match="expected True, False or a sequence"):
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", recipes=3)
+
+
+def test_the_cli_names_a_bad_recipe_before_any_work(capsys):
+    assert cli.main(["verify", "--model", "mlp", "--recipes", "dp", "fsdp/dots"]) == 2
+    assert "unknown recipe 'fsdp/dots'; the recipes are dp" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the decorator
