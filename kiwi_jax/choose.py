@@ -132,9 +132,10 @@ class Choice:
 
     def _kiwi(self) -> str:
         if self.kiwi_bytes is None:
-            return "kiwi has no plan for the budget"
+            return "; kiwi has no plan for the budget"
         over = "" if self.kiwi_fits else ", over the budget"
-        return f"kiwi's plan's {_ms(self.kiwi_step_seconds)} at {_mib(self.kiwi_bytes)}{over}"
+        return (f" against kiwi's plan's {_ms(self.kiwi_step_seconds)} at "
+                f"{_mib(self.kiwi_bytes)}{over}")
 
     def describe(self) -> str:
         """One line: what runs, with both figures."""
@@ -144,7 +145,7 @@ class Choice:
         best = self.best
         if self.runs_recipe:
             return (f"recipe {best.name} runs: est. {_ms(best.step_seconds)} at "
-                    f"{_mib(best.compiled_bytes)} against {self._kiwi()} ({budget}; {counted})")
+                    f"{_mib(best.compiled_bytes)}{self._kiwi()} ({budget}; {counted})")
         if self.kiwi_bytes is None:
             return (f"nothing runs: kiwi has no plan for the budget and none of the "
                     f"{len(self.recipes)} recipes fits it ({budget})")
