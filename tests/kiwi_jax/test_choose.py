@@ -171,6 +171,25 @@ def test_a_budget_kiwi_has_no_plan_for_runs_a_recipe_that_fits(monkeypatch, mesh
         assert "kiwi has no plan for the budget" in step.explain(file=sink)
 
 
+def test_a_linen_step_runs_a_recipe_like_kiwis_plan(monkeypatch, mesh24):
+    """A Linen step under a recipe returns (state, metrics) and matches the plain step (kiwi's
+    planner is replaced by one that has no plan, so ``dp`` runs without a solve)."""
+    ref = build("linen_mlp", layers=4, width=16, batch=8)
+
+    def no_plan(*_):
+        raise solvers.InfeasibleBudgetError("kiwi", 2**30, None)
+
+    monkeypatch.setattr(OptimizedStep, "_planned", no_plan)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=("dp",),
+                             **{**OPTIONS, "memory_budget": 2**30})
+    (state,), batch = ref.init(0), ref.batch(0)
+    report = step.verify(state, batch, steps=2)
+    assert step.choice.winner == "dp" and report.runs == "dp" and report.fits
+    assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
+    new_state, metrics = step(state, batch)
+    assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
+
+
 def test_without_a_recipe_that_fits_kiwis_error_stands(mesh24):
     ref = build("mlp", **MLP)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=("fsdp",),
