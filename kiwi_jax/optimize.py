@@ -284,6 +284,8 @@ class OptimizedStep:
                                               infeasible)
                 if applied is None and recipe is None:
                     raise infeasible
+            if not cached and recipe is None and plan.fit is not None and not plan.fit.fits:
+                self._warn_over_budget(plan)
             if processes is not None and options.share_plan:
                 processes.publish_plan(plan.to_json())
         log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
@@ -407,15 +409,7 @@ class OptimizedStep:
             raise solvers.InfeasibleBudgetError(
                 infeasible.solver, budget,
                 max(compiled_peak, infeasible.min_feasible_bytes)) from infeasible
-        if not record.fits:
-            more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) \
-                else ""
-            warnings.warn(
-                f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, over "
-                f"the {budget:,} B budget; the search of the solver's budget ({record.describe()})"
-                f" found no plan that fits; running the one that compiled smallest (raise the "
-                f"budget{more} to fit)", stacklevel=6)
-        elif infeasible is not None:
+        if infeasible is not None:
             log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
                         "a plan solved under %d B compiles to %d B: running it", self.__name__,
                         budget, infeasible.min_feasible_bytes, record.solver_budget_bytes,
@@ -426,6 +420,17 @@ class OptimizedStep:
             result.plan, budget_bytes=budget, fit=record,
             solver_budget_bytes=None if solver_budget == budget else solver_budget)
         return plan, applied[result.plan.fingerprint]
+
+    def _warn_over_budget(self, plan: Plan) -> None:
+        """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
+        it (and no recipe that fits was compared)."""
+        record = plan.fit
+        more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) else ""
+        warnings.warn(
+            f"{self.__name__}: the compiled step needs {record.compiled_peak_bytes:,} B per "
+            f"device, over the {plan.budget_bytes:,} B budget; the search of the solver's "
+            f"budget ({record.describe()}) found no plan that fits; running the one that "
+            f"compiled smallest (raise the budget{more} to fit)", stacklevel=5)
 
     def _unlimited(self, build: ProblemBuild, budget: int) -> Plan:
         """The solver's plan with no memory limit, solved with the same options (with

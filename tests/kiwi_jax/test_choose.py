@@ -7,6 +7,7 @@ The figures quoted were measured on 2x4 with ``compile_recipe`` and one kiwi com
 """
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -143,6 +144,21 @@ def test_kiwis_plan_runs_when_no_recipe_fits(mesh24):
     assert choice.winner == KIWI and not prepared.runs_recipe and choice.kiwi_fits
     assert prepared.compiled is prepared.applied.compiled and choice.best is None
     assert "none of the 1 recipes fits" in choice.describe()
+
+
+@pytest.mark.parametrize("recipes", [False, ("fsdp+tp",)], ids=["kiwi-alone", "fsdp+tp"])
+def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, mesh24):
+    """An MLP of dimensions 2x4 does not divide, under 100% with one compile: kiwi's plan
+    compiles over the budget; ``fsdp+tp`` fits it and runs instead, without the warning."""
+    ref = build("mlp", layers=2, width=24, in_dim=12, out_dim=12, batch=6)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=recipes,
+                             **{**OPTIONS, "memory_budget": "100%"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    over = [w for w in caught if "running the one that compiled smallest" in str(w.message)]
+    assert not prepared.plan.fit.fits
+    assert prepared.runs_recipe == bool(recipes) and len(over) == (not recipes)
 
 
 def test_a_budget_kiwi_has_no_plan_for_runs_a_recipe_that_fits(monkeypatch, mesh24):
