@@ -6,6 +6,7 @@ The figures quoted were measured on 2x4 with ``compile_recipe`` and one kiwi com
 0.229 ms; so ``tp`` runs. The estimates are the compiled steps' (:mod:`kiwi_jax.estimate`).
 """
 
+import importlib
 import os
 import warnings
 
@@ -159,6 +160,35 @@ def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, mesh24):
     over = [w for w in caught if "running the one that compiled smallest" in str(w.message)]
     assert not prepared.plan.fit.fits
     assert prepared.runs_recipe == bool(recipes) and len(over) == (not recipes)
+
+
+class _PlanningProcess:
+    """Process 0 of two, as :func:`kiwi_jax.multihost.exchange` returns it (nothing sent)."""
+
+    is_planner, process_count = True, 2
+
+    def publish_plan(self, plan_json, error=None):
+        self.published = plan_json
+
+    def check(self, key, plan_fingerprint):
+        self.checked = plan_fingerprint
+
+
+def test_several_processes_run_kiwis_plan_without_comparing(monkeypatch, caplog, mesh24):
+    """Every process must run the same program and only kiwi's plan is shared: the recipes
+    are not compiled, a warning says so, and process 0 publishes kiwi's plan."""
+    process, compiled = _PlanningProcess(), []
+    module = importlib.import_module("kiwi_jax.optimize")    # the package's name is the function
+    monkeypatch.setattr(module, "exchange", lambda timeout: process)
+    monkeypatch.setattr(module, "compile_recipes", lambda *a, **k: compiled.append(a) or ((), {}))
+    ref = build("mlp", **MLP)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False,
+                             **{**OPTIONS, "memory_budget": 200_000})
+    with caplog.at_level("WARNING"):
+        prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    assert "2 processes plan this step: the recipes are not compared" in caplog.text
+    assert prepared.choice is None and not prepared.runs_recipe and not compiled
+    assert process.checked == prepared.plan.fingerprint and process.published
 
 
 def test_a_budget_kiwi_has_no_plan_for_runs_a_recipe_that_fits(monkeypatch, mesh24):
