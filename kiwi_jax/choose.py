@@ -150,9 +150,10 @@ class Choice:
             return (f"nothing runs: kiwi has no plan for the budget and none of the "
                     f"{len(self.recipes)} recipes fits it ({budget})")
         if best is None:
+            over = "" if self.kiwi_fits else ", over the budget"
             return (f"kiwi's plan runs: est. {_ms(self.kiwi_step_seconds)} at "
-                    f"{_mib(self.kiwi_bytes)} ({budget}); none of the {len(self.recipes)} "
-                    "recipes fits")
+                    f"{_mib(self.kiwi_bytes)}{over} ({budget}); none of the "
+                    f"{len(self.recipes)} recipes fits")
         return (f"kiwi's plan runs: est. {_ms(self.kiwi_step_seconds)} at "
                 f"{_mib(self.kiwi_bytes)}, no slower than the best fitting recipe, {best.name} "
                 f"(est. {_ms(best.step_seconds)} at {_mib(best.compiled_bytes)}; {budget}; "
@@ -164,7 +165,7 @@ class Choice:
         for row in self.recipes:
             if row.compiled_bytes is None:
                 lines.append(f"  {row.name:26s} {'-':>13s} {'-':>13s}  "
-                             f"({(row.error or '').splitlines()[0][:60]})")
+                             f"({(row.error or 'not compiled').splitlines()[0][:60]})")
                 continue
             fits = "fits" if row.fits(self.budget_bytes) else "over the budget"
             lines.append(f"  {row.name:26s} {row.compiled_bytes / 2**20:13.3f} "
