@@ -74,7 +74,8 @@ def _compiled_step(variant: str, ref, args, budget_bytes: int | None, options: d
 
     mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget_bytes, **options)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=budget_bytes,
+                             **{"recipes": False, **options})     # kiwi's own plan
     prepared = step.prepare(pure)
     plan = prepared.plan
     extra = {"plan_seconds": prepared.plan_seconds, "compile_seconds": prepared.compile_seconds,

@@ -93,7 +93,8 @@ def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float) -> d
     try:
         step, args = zoo.make(name, abstract=False, seed=0, **sizes)
         optimized = kiwi_jax.optimize(step, mesh=_mesh(mesh), memory_budget=budget,
-                                      time_limit=time_limit, cache_dir=False)
+                                      time_limit=time_limit, cache_dir=False,
+                                      recipes=False)      # the study is of kiwi's own plans
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             prepared = optimized.lower(*args)

@@ -5,9 +5,11 @@ The user API: the :func:`optimize` decorator, the :class:`Plan` it runs and the
 compiled step priced like the plan); :func:`problem_for_step` and
 :func:`build_problem` for the costed problem itself; the errors a plan can raise (with
 :class:`PlanMismatchError` and :class:`PlanExchangeError` of multi-process runs); the
-hand-written recipes kiwi is compared with (:class:`Recipe`, :func:`compile_recipe`).
+hand-written recipes kiwi is compared with (:class:`Recipe`, :func:`compile_recipe`) and the
+:class:`Choice` the decorator makes between them and kiwi's plan.
 """
 
+from kiwi_jax.choose import Choice
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import CompiledCost, compiled_cost
@@ -30,4 +32,5 @@ __all__ = [
     "SolverOptions", "Solution", "Status", "NotATrainStepError", "InfeasibleBudgetError", "SolverError",
     "SolverTimeoutError", "SolverUnavailableError", "PlanMismatchError", "PlanExchangeError",
     "Recipe", "RecipeStep", "RecipeResult", "recipe_step", "compile_recipe", "BlockPolicyError",
+    "Choice",
 ]

@@ -7,8 +7,9 @@ Subcommands:
   pipeline  cut a deep model into pipeline stages (even, lynx, dawnpiper), plan each stage's
             recomputation under the budget and simulate the 1F1B step.
   verify    plan, apply and compile the step on the mesh (8 simulated CPU devices by default),
-            compare compiled memory and collectives with the plan and run it against the plain
-            step.
+            compile the hand-written recipes too and keep the faster step that fits the budget
+            (--no-recipes: kiwi's plan only), compare compiled memory and collectives with the
+            plan and run the step that runs against the plain step.
   compare   compile the hand-written recipes (dp, fsdp, tp, fsdp+tp, each with no, dots-saveable
             or nothing-saveable per-block checkpointing) and kiwi's plans at a range of
             budgets; print compiled memory and estimated step per row.
@@ -66,8 +67,10 @@ def _reference(args):
 
 def _check_args(args) -> None:
     """Parse every option that names something (mesh, cluster, memory model, budget, solver,
-    backend) before any work, so a typo is a usage error rather than a failure later on."""
+    backend, verify's recipes) before any work, so a typo is a usage error rather than a
+    failure later on."""
     import solvers
+    from kiwi_jax.choose import parse_recipes
     from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
     from kiwi_jax.problem import check_memory_model
 
@@ -78,6 +81,8 @@ def _check_args(args) -> None:
         budget = getattr(args, "budget", None)
         if budget is not None and not budget.strip().endswith("%"):
             parse_bytes(budget)
+        if args.command == "verify":
+            parse_recipes(_verify_recipes(args))
     except ValueError as error:
         raise UsageError(str(error)) from error
     solver = getattr(args, "solver", None)
@@ -208,6 +213,12 @@ def _initialize_distributed(args) -> None:
                                num_processes=args.num_processes, process_id=args.process_id)
 
 
+def _verify_recipes(args):
+    """``verify``'s ``recipes`` option for the decorator: False (``--no-recipes``), the names
+    given, or True (all)."""
+    return False if args.no_recipes else tuple(args.recipes) if args.recipes else True
+
+
 def _cmd_verify(args) -> dict:
     import jax
 
@@ -230,7 +241,8 @@ def _cmd_verify(args) -> dict:
                     solver=args.solver, backend=args.backend, time_limit=args.time_limit,
                     mip_gap=args.gap, reuse_layers=args.reuse_layers,
                     cache_dir=False if args.no_cache else args.cache_dir,
-                    memory_model=args.memory_model, fit_compiles=args.fit_compiles)
+                    memory_model=args.memory_model, fit_compiles=args.fit_compiles,
+                    recipes=_verify_recipes(args))
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
            "cluster": args.cluster, "process_id": jax.process_index(),
@@ -246,27 +258,33 @@ def _cmd_verify(args) -> dict:
     prepared = step.prepared
     pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
     plain = device_memory(jax.jit(pure.fn).lower(*pure.args).compile()).peak_bytes
-    out.update(prepared.plan.summary(), **report.to_dict(), feasible=True,
+    plan, choice = prepared.plan, prepared.choice
+    out.update(plan.summary() if plan is not None else {}, **report.to_dict(), feasible=True,
                plain_compiled_peak_bytes=plain, plain_fits=plain <= report.budget_bytes,
                plan_seconds=prepared.plan_seconds, compile_seconds=prepared.compile_seconds,
                plan_cached=prepared.cached, plan_received=prepared.received,
+               choice=None if choice is None else choice.to_dict(),
                verify_seconds=time.perf_counter() - start)
-    plan = prepared.plan
-    print(f"{args.solver} plan for {args.model} on a {args.mesh} mesh ({args.cluster}): "
-          f"{plan.status}, {len(plan.recomputed)} forward values recomputed, predicted step "
-          f"{plan.predicted_step_seconds * 1e3:.3f} ms; planned in {prepared.plan_seconds:.1f} s"
-          f"{' (cached)' if prepared.cached else ''}, compiled in "
-          f"{prepared.compile_seconds:.1f} s")
+    if plan is not None:
+        print(f"{args.solver} plan for {args.model} on a {args.mesh} mesh ({args.cluster}): "
+              f"{plan.status}, {len(plan.recomputed)} forward values recomputed, predicted step "
+              f"{plan.predicted_step_seconds * 1e3:.3f} ms; planned in "
+              f"{prepared.plan_seconds:.1f} s{' (cached)' if prepared.cached else ''}, "
+              f"compiled in {prepared.compile_seconds:.1f} s")
+    if choice is not None:
+        print(f"{choice.describe()}; {len(choice.recipes)} recipes compiled in "
+              f"{choice.compile_seconds:.1f} s")
     print(f"plain step (one device, no plan): {plain / 2**20:.3f} MiB compiled, "
           f"{'fits' if plain <= report.budget_bytes else 'does not fit'} the "
           f"{report.budget_bytes / 2**20:.3f} MiB budget")
     print(report.table())
     if args.explain:
         step.explain()
-    if args.png:
+    if args.png and plan is not None:
         from kiwi_jax.explain import plot_memory_timeline
 
-        plot_memory_timeline(prepared.build, plan, args.png, report.compiled_peak_bytes)
+        plot_memory_timeline(prepared.build, plan, args.png,
+                             prepared.applied.memory.peak_bytes)
         print(f"memory timeline: {args.png}")
         out["png"] = args.png
     return out
@@ -400,6 +418,11 @@ def main(argv=None) -> int:
     verify.add_argument("--fit-compiles", type=int, default=FIT_COMPILES,
                         help="most compiles spent searching the solver's budget against the "
                         "compiled step (0: none; default %(default)s)")
+    verify.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
+                        help="recipes compiled and set against kiwi's compiled plan, the "
+                        "faster that fits the budget runs (default: all twelve)")
+    verify.add_argument("--no-recipes", action="store_true",
+                        help="run kiwi's plan without comparing the recipes")
     verify.add_argument("--steps", type=int, default=3, help="steps compared with the plain step")
     verify.add_argument("--explain", action="store_true", help="print the plan per layer")
     verify.add_argument("--png", default=None, help="write the memory timeline to this PNG")

@@ -8,6 +8,7 @@ This module sits between planning (``kiwi_jax.plan``) and its users (``kiwi_jax.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -17,6 +18,9 @@ from kiwi_jax.apply import TracedStep, applied_function
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.step import PureStep
+
+if TYPE_CHECKING:
+    from kiwi_jax.choose import Choice
 
 __all__ = ["KEEP_REMAT", "CompiledPlan", "Prepared", "compile_plan", "compiler_options", "jit_step"]
 
@@ -32,7 +36,8 @@ def compiler_options() -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledPlan:
-    """A plan applied to a traced step and compiled for one set of argument shapes."""
+    """A plan applied to a traced step and compiled for one set of argument shapes (or a
+    recipe's step compiled for them: :mod:`kiwi_jax.choose`)."""
 
     in_shardings: tuple
     """NamedSharding per argument leaf tree, as the jitted step takes them."""
@@ -87,41 +92,59 @@ def jit_step(fn, in_shardings, out_shardings, state_out: int | None, donate: boo
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """Everything made for one argument signature: traced, planned, applied and compiled."""
+    """Everything made for one argument signature: traced, planned, applied and compiled; and,
+    when recipes were compared, which step runs (kiwi's plan or a recipe's)."""
 
     traced: TracedStep
     """The traced step (graph, jaxpr, the pure function and its abstract arguments)."""
     build: ProblemBuild
     """The costed problem the plan was solved on."""
-    plan: Plan
-    """The plan that runs."""
-    applied: CompiledPlan
-    """The plan applied and compiled."""
+    plan: Plan | None
+    """kiwi's plan: the solver's answer (fitted to the compiler), what the plan cache stores.
+    It runs unless ``choice`` says a recipe does; None when kiwi has no plan for the budget
+    and a recipe runs."""
+    applied: CompiledPlan | None
+    """kiwi's plan applied and compiled (None with ``plan``)."""
     plan_seconds: float
     """Tracing and planning wall time (the plan cache's load when cached)."""
     compile_seconds: float
-    """Applying and compiling wall time (every compile of the fitting rounds)."""
+    """Applying and compiling wall time (every compile of the fitting rounds, and the
+    recipes' compiles when they were compared)."""
     cached: bool
     """The plan came from the disk cache."""
     received: bool = False
     """The plan came from process 0 (a multi-process run; see :mod:`kiwi_jax.multihost`)."""
+    choice: Choice | None = None
+    """kiwi's compiled plan against the recipes (:mod:`kiwi_jax.choose`); None: not compared."""
+    recipe: CompiledPlan | None = None
+    """The winning recipe's step, compiled like a plan; it runs instead of ``applied``."""
+
+    @property
+    def runs_recipe(self) -> bool:
+        """A recipe's step runs, not kiwi's plan."""
+        return self.recipe is not None
+
+    @property
+    def running(self) -> CompiledPlan:
+        """The compiled step that runs: the recipe's when one won, else kiwi's plan's."""
+        return self.recipe if self.recipe is not None else self.applied
 
     @property
     def in_shardings(self) -> tuple:
-        return self.applied.in_shardings
+        return self.running.in_shardings
 
     @property
     def out_shardings(self) -> tuple:
-        return self.applied.out_shardings
+        return self.running.out_shardings
 
     @property
     def state_out(self) -> int | None:
-        return self.applied.state_out
+        return self.running.state_out
 
     @property
     def jitted(self):
-        return self.applied.jitted
+        return self.running.jitted
 
     @property
     def compiled(self):
-        return self.applied.compiled
+        return self.running.compiled

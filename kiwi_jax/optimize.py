@@ -20,9 +20,16 @@ NamedShardings) and compiles it; later calls with the same shapes run the compil
 shapes plan again. The train state (first argument) is donated, as ``nnx.Optimizer`` updates
 imply: its updated value keeps the sharding of the input, so the next step reads it in place.
 
+The compiler chooses (``recipes``, on by default): once kiwi's plan is compiled, the
+hand-written recipes (:mod:`kiwi_jax.recipes`) are compiled for the same step and mesh, and the
+fastest one that fits the budget runs instead when it is estimated faster than kiwi's compiled
+plan, when kiwi's compiled plan does not fit, or when kiwi has no plan for the budget
+(:mod:`kiwi_jax.choose`); ``.prepared.choice`` and ``explain()`` say which runs.
+
 Under ``jax.distributed`` (several processes, one global mesh) process 0 plans and the others
 receive its plan; every process checks that all run the same plan before the first step (see
-:mod:`kiwi_jax.multihost`).
+:mod:`kiwi_jax.multihost`). The recipes are not compared there: kiwi's plan runs (a warning says
+so).
 
 References:
   KIWI (Liu et al.), sec. 3: the joint program whose plan this applies.
@@ -43,13 +50,15 @@ import solvers
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
+from kiwi_jax.choose import KIWI, Choice, choose, compile_recipes, parse_recipes
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
+from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import Plan, plan_from_solution, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
-from kiwi_jax.step import PureStep, carried_state, functionalize
+from kiwi_jax.step import PureStep, carried_state, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
 
@@ -111,6 +120,14 @@ class Options:
     time_limit``: the reference plan, the first solve, the search's ``fit_compiles + 2``
     solves and the plan with no memory limit); past it the step raises naming the process
     that did not answer."""
+    recipes: object = True
+    """The compiler chooses (:mod:`kiwi_jax.choose`): after kiwi's plan is compiled, these
+    hand-written recipes are compiled for the same step and the fastest that fits the budget
+    runs when it is estimated faster than kiwi's plan (or kiwi's does not fit, or kiwi has no
+    plan for the budget). True: all twelve (:func:`kiwi_jax.recipes.all_recipes`); False:
+    kiwi's plan only; or names such as ``("fsdp/dots_saveable", "dp")``. Each recipe is one
+    more compile for every new argument signature, cached plan or not (plans are cached,
+    compiled steps are not). Not compared when several processes plan (kiwi's plan runs)."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
@@ -122,7 +139,7 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
              time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
              reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
              overlap=True, memory_model="auto", fit_compiles=FIT_COMPILES, share_plan=True,
-             sync_timeout=300.0):
+             sync_timeout=300.0, recipes=True):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
@@ -133,7 +150,8 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
       An :class:`OptimizedStep`: call it like the step; ``.plan``, ``.explain()``, ``.verify()``.
 
     Raises:
-      ValueError: a mesh that does not have exactly two axes, or a negative ``fit_compiles``.
+      ValueError: a mesh that does not have exactly two axes, a negative ``fit_compiles``, or
+        an unknown recipe name in ``recipes``.
     """
     MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
     Cluster.parse(cluster)
@@ -141,9 +159,10 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
     if not (isinstance(fit_compiles, int) and fit_compiles >= 0):
         raise ValueError(f"fit_compiles: expected a count of compiles >= 0 (0: no search), "
                          f"got {fit_compiles!r}")
+    parse_recipes(recipes)
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
                       reuse_layers, cache_dir, donate, overlap, memory_model, fit_compiles,
-                      share_plan, sync_timeout)
+                      share_plan, sync_timeout, recipes)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -211,8 +230,14 @@ class OptimizedStep:
     def _prepare_here(self, pure: PureStep,
                       processes: Exchange | None) -> tuple[Prepared | None, str]:
         """This process's part: trace, then plan (or receive process 0's plan), apply and
-        compile; and the key of what was planned for. None instead of the Prepared: process
-        0's plan is for another graph (the check then raises in every process)."""
+        compile, and compare the recipes (a single process only); and the key of what was
+        planned for. None instead of the Prepared: process 0's plan is for another graph (the
+        check then raises in every process).
+
+        Raises:
+          solvers.InfeasibleBudgetError: kiwi has no plan for the budget and no recipe
+            compared fits it.
+        """
         options = self.options
         abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
@@ -229,6 +254,13 @@ class OptimizedStep:
         key = self._key(traced, build)
         state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
         receives = processes is not None and options.share_plan and not processes.is_planner
+        recipes = parse_recipes(options.recipes)
+        if recipes and processes is not None:
+            log.warning("%s: %d processes plan this step: the recipes are not compared and "
+                        "kiwi's plan runs (recipes=False says so without this warning)",
+                        self.__name__, processes.process_count)
+            recipes = ()
+        choice = recipe = None
         if receives:
             plan, cached = self._received(processes, traced, build), False
             if plan is None:
@@ -236,16 +268,58 @@ class OptimizedStep:
             plan_seconds, start = time.perf_counter() - start, time.perf_counter()
             applied = self._apply(traced, plan, abstract, state_out)
         else:
-            plan, applied, cached, plan_seconds, start = self._planned(
-                traced, build, abstract, state_out, start)
+            try:
+                plan, applied, cached, plan_seconds, start = self._planned(
+                    traced, build, abstract, state_out, start)
+                infeasible = None
+            except solvers.InfeasibleBudgetError as error:
+                if not recipes:
+                    raise
+                plan = applied = None
+                cached, infeasible = False, error
+                plan_seconds, start = time.perf_counter() - start, time.perf_counter()
+            if recipes:
+                budget = infeasible.budget_bytes if plan is None else plan.budget_bytes
+                choice, recipe = self._choose(abstract, build, applied, recipes, budget,
+                                              infeasible)
+                if applied is None and recipe is None:
+                    raise infeasible
+            if not cached and recipe is None and plan.fit is not None and not plan.fit.fits:
+                self._warn_over_budget(plan)
             if processes is not None and options.share_plan:
                 processes.publish_plan(plan.to_json())
         log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
-                 "received" if receives else "cached" if cached else plan.status,
-                 time.perf_counter() - start)
+                 "received" if receives else "cached" if cached else
+                 "no plan" if plan is None else plan.status, time.perf_counter() - start)
         return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
                         compile_seconds=time.perf_counter() - start, cached=cached,
-                        received=receives), key
+                        received=receives, choice=choice, recipe=recipe), key
+
+    def _choose(self, abstract: PureStep, build: ProblemBuild, applied: CompiledPlan | None,
+                recipes: tuple, budget: int,
+                infeasible: solvers.InfeasibleBudgetError | None
+                ) -> tuple[Choice, CompiledPlan | None]:
+        """The recipes compiled for the step and set against kiwi's compiled plan
+        (:func:`kiwi_jax.choose.choose`, priced with the problem's cluster); the winning
+        recipe's compiled step, or None when kiwi's plan runs (or nothing fits)."""
+        options = self.options
+        start = time.perf_counter()
+        rows, steps = compile_recipes(self.train_step, step_arguments(abstract), options.mesh,
+                                      recipes, budget, build.cluster, options.donate)
+        kiwi_bytes = kiwi_seconds = None
+        if applied is not None:
+            kiwi_bytes = applied.memory.peak_bytes
+            kiwi_seconds = compiled_cost(applied.compiled, options.mesh,
+                                         build.cluster).step_seconds
+        choice = choose(budget, kiwi_bytes, kiwi_seconds, rows, time.perf_counter() - start,
+                        None if infeasible is None else str(infeasible))
+        if applied is None and not choice.runs_recipe:
+            log.info("%s: kiwi has no plan for the budget and none of the %d recipes fits it",
+                     self.__name__, len(rows))
+        else:
+            log.info("%s: %s; %d recipes compiled in %.1f s", self.__name__, choice.describe(),
+                     len(rows), choice.compile_seconds)
+        return choice, steps.get(choice.winner) if choice.winner != KIWI else None
 
     def _planned(self, traced, build, abstract, state_out, start):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
@@ -335,15 +409,7 @@ class OptimizedStep:
             raise solvers.InfeasibleBudgetError(
                 infeasible.solver, budget,
                 max(compiled_peak, infeasible.min_feasible_bytes)) from infeasible
-        if not record.fits:
-            more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) \
-                else ""
-            warnings.warn(
-                f"{self.__name__}: the compiled step needs {compiled_peak:,} B per device, over "
-                f"the {budget:,} B budget; the search of the solver's budget ({record.describe()})"
-                f" found no plan that fits; running the one that compiled smallest (raise the "
-                f"budget{more} to fit)", stacklevel=6)
-        elif infeasible is not None:
+        if infeasible is not None:
             log.warning("%s: the model finds no plan under %d B (its smallest peak is %d B), but "
                         "a plan solved under %d B compiles to %d B: running it", self.__name__,
                         budget, infeasible.min_feasible_bytes, record.solver_budget_bytes,
@@ -354,6 +420,17 @@ class OptimizedStep:
             result.plan, budget_bytes=budget, fit=record,
             solver_budget_bytes=None if solver_budget == budget else solver_budget)
         return plan, applied[result.plan.fingerprint]
+
+    def _warn_over_budget(self, plan: Plan) -> None:
+        """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
+        it (and no recipe that fits was compared)."""
+        record = plan.fit
+        more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) else ""
+        warnings.warn(
+            f"{self.__name__}: the compiled step needs {record.compiled_peak_bytes:,} B per "
+            f"device, over the {plan.budget_bytes:,} B budget; the search of the solver's "
+            f"budget ({record.describe()}) found no plan that fits; running the one that "
+            f"compiled smallest (raise the budget{more} to fit)", stacklevel=5)
 
     def _unlimited(self, build: ProblemBuild, budget: int) -> Plan:
         """The solver's plan with no memory limit, solved with the same options (with
@@ -407,20 +484,43 @@ class OptimizedStep:
         return self._last
 
     @property
-    def plan(self) -> Plan:
-        """The plan of the last call's argument shapes."""
+    def plan(self) -> Plan | None:
+        """kiwi's plan of the last call's argument shapes: the solver's answer, fitted to the
+        compiler (what the plan cache stores). It runs unless a recipe won (:attr:`choice`);
+        None when kiwi has no plan for the budget and a recipe runs."""
         return self.prepared.plan
+
+    @property
+    def choice(self) -> Choice | None:
+        """Which step runs for the last call's argument shapes, kiwi's plan or a recipe's, with
+        the figures it was chosen on (:class:`kiwi_jax.choose.Choice`); None when the recipes
+        were not compared (``recipes=False``, several processes)."""
+        return self.prepared.choice
 
     def explain(self, png=None, verbose: bool = False, file=None) -> str:
         """Per layer, what is kept or recomputed and each operator's sharding, with predicted
         time and memory; optionally a PNG of the per-device memory timeline. Prints and returns
-        the text."""
+        the text.
+
+        When the recipes were compared, the text starts with which step runs (a recipe's or
+        kiwi's plan, both figures: compiled memory and estimated step) and each recipe's row;
+        the per-layer lines are kiwi's plan's, whether it runs or not.
+        """
         from kiwi_jax.explain import explain, plot_memory_timeline
 
-        text = explain(self.prepared.build, self.plan, verbose=verbose)
+        prepared, parts = self.prepared, []
+        if prepared.choice is not None:
+            parts.append(prepared.choice.table())
+        if self.plan is None:
+            parts.append(f"kiwi's plan: none ({prepared.choice.kiwi_error})")
+        else:
+            text = explain(prepared.build, self.plan, verbose=verbose)
+            parts.append(f"kiwi's plan (not run: the recipe runs)\n{text}"
+                         if prepared.runs_recipe else text)
+        text = "\n\n".join(parts)
         print(text, file=file)
-        if png is not None:
-            plot_memory_timeline(self.prepared.build, self.plan, png)
+        if png is not None and self.plan is not None:
+            plot_memory_timeline(prepared.build, self.plan, png)
         return text
 
     def verify(self, *args, steps: int = 3,
@@ -429,6 +529,10 @@ class OptimizedStep:
         arguments, its numerics with the plain jitted step over ``steps`` steps;
         ``explain_memory``: attribute the bytes at both peaks to operators (None: only when
         the memory is off by more than the tolerance).
+
+        When a recipe runs instead of kiwi's plan, the report is of the recipe's step
+        (``report.runs`` names it): its compiled memory against the budget, its collectives,
+        estimated step and numerics; it has no prediction (those fields are None).
 
         Returns:
           A :class:`kiwi_jax.verify.VerifyReport`.

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-__all__ = ["PureStep", "functionalize", "carried_state"]
+__all__ = ["PureStep", "functionalize", "carried_state", "step_arguments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +75,15 @@ def carried_state(pure: PureStep, outputs) -> int | None:
         if signature(value) == want:
             return position
     return None
+
+
+def step_arguments(pure: PureStep) -> tuple:
+    """The arguments of the original step that :func:`functionalize` made ``pure`` from: the
+    NNX objects merged again from ``pure.args[0]`` (abstract arrays stay abstract) and put back
+    at their positions; a pure step's own arguments."""
+    if pure.style != "nnx":
+        return tuple(pure.args)
+    objects, rest = iter(nnx.merge(pure.graphdef, pure.args[0])), iter(pure.args[1:])
+    count = len(pure.module_positions) + len(pure.args) - 1
+    return tuple(next(objects) if i in pure.module_positions else next(rest)
+                 for i in range(count))

@@ -8,6 +8,11 @@ so disagreements are reported per operator. The predicted step time is set besid
 step's estimate (:mod:`kiwi_jax.estimate`: XLA's kernels and collectives priced with the same
 cluster figures). Given concrete arguments, the applied step is also run against the plain
 jitted step and the losses and parameters compared.
+
+When a recipe won the compiler's choice (:mod:`kiwi_jax.choose`), the step that runs is the
+recipe's: it is what is checked (compiled memory against the budget, collectives, estimated
+step, numerics against the plain step); a recipe has no prediction, so the predicted figures
+are None and nothing is compared with them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from kiwi_jax.plan import attributed_comms, by_kind
 from kiwi_jax.sharding import reshard_comms
 from solvers.simulator import live_bytes, simulate
 
-__all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "TOLERANCE"]
+__all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "verify_recipe",
+           "TOLERANCE"]
 
 UNCOMBINED = ("all-reduce-combiner", "all-gather-combiner", "reduce-scatter-combiner")
 """XLA passes that merge collectives; disabled only to attribute collectives to operators."""
@@ -43,13 +49,14 @@ ARGUMENTS = "(arguments)"
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """Predicted vs compiled, for one applied step."""
+    """Predicted vs compiled, for one applied step (or, for a recipe's step, compiled only)."""
 
     budget_bytes: int
-    predicted_peak_bytes: int
+    predicted_peak_bytes: int | None
+    """The plan's simulated peak; None for a recipe's step (no prediction)."""
     compiled_memory: MemoryStats
-    predicted_collectives: dict
-    """``{kind: {"count", "bytes"}}`` the plan implies."""
+    predicted_collectives: dict | None
+    """``{kind: {"count", "bytes"}}`` the plan implies; None for a recipe's step."""
     compiled_collectives: dict
     """``{kind: {"count", "bytes"}}`` in the partitioned HLO (each instruction once)."""
     disagreements: tuple
@@ -78,6 +85,9 @@ class VerifyReport:
     compiled_cost: CompiledCost | None = None
     """The compiled step priced with the plan's cluster (:func:`kiwi_jax.estimate.compiled_cost`);
     None: not estimated."""
+    runs: str = "kiwi"
+    """Whose compiled step this is: ``"kiwi"`` (kiwi's plan) or the recipe that won the
+    compiler's choice (:mod:`kiwi_jax.choose`), whose step runs instead."""
 
     @property
     def compiled_peak_bytes(self) -> int:
@@ -89,7 +99,9 @@ class VerifyReport:
         return self.compiled_peak_bytes <= self.budget_bytes
 
     @property
-    def predicted_collective_bytes(self) -> int:
+    def predicted_collective_bytes(self) -> int | None:
+        if self.predicted_collectives is None:
+            return None
         return sum(v["bytes"] for v in self.predicted_collectives.values())
 
     @property
@@ -97,14 +109,18 @@ class VerifyReport:
         return sum(v["bytes"] for v in self.compiled_collectives.values())
 
     @property
-    def memory_error(self) -> float:
-        """(compiled - predicted) / predicted peak."""
+    def memory_error(self) -> float | None:
+        """(compiled - predicted) / predicted peak; None without a prediction (a recipe)."""
+        if self.predicted_peak_bytes is None:
+            return None
         return (self.compiled_peak_bytes - self.predicted_peak_bytes) / max(
             self.predicted_peak_bytes, 1)
 
     @property
-    def collective_error(self) -> float:
-        """(compiled - predicted) / predicted collective bytes."""
+    def collective_error(self) -> float | None:
+        """(compiled - predicted) / predicted collective bytes; None without a prediction."""
+        if self.predicted_collectives is None:
+            return None
         return (self.compiled_collective_bytes - self.predicted_collective_bytes) / max(
             self.predicted_collective_bytes, 1)
 
@@ -123,14 +139,19 @@ class VerifyReport:
             self.estimated_step_seconds, 1e-30)
 
     @property
-    def within_tolerance(self) -> bool:
+    def within_tolerance(self) -> bool | None:
+        """Compiled memory and collective bytes within :data:`TOLERANCE` of the prediction;
+        None without a prediction (a recipe)."""
+        if self.memory_error is None:
+            return None
         return abs(self.memory_error) <= TOLERANCE and abs(self.collective_error) <= TOLERANCE
 
     def to_dict(self) -> dict:
         m = self.compiled_memory
         return {
-            "budget_bytes": int(self.budget_bytes),
-            "predicted_peak_bytes": int(self.predicted_peak_bytes),
+            "runs": self.runs, "budget_bytes": int(self.budget_bytes),
+            "predicted_peak_bytes": None if self.predicted_peak_bytes is None
+            else int(self.predicted_peak_bytes),
             "compiled_peak_bytes": int(self.compiled_peak_bytes),
             "compiled_argument_bytes": m.argument_bytes, "compiled_output_bytes": m.output_bytes,
             "compiled_temp_bytes": m.temp_bytes, "compiled_alias_bytes": m.alias_bytes,
@@ -155,6 +176,8 @@ class VerifyReport:
 
     def table(self) -> str:
         """The report as aligned text."""
+        if self.predicted_peak_bytes is None:
+            return self._recipe_table()
         mb = lambda b: f"{b / 2**20:10.3f} MiB"  # noqa: E731
         m = self.compiled_memory
         lines = [
@@ -183,11 +206,33 @@ class VerifyReport:
                          f"XLA's live buffers at its peak: {self.compiled_live_bytes:,} B):")
             lines += [f"  {d['operator'][:60]:60s} {d['predicted_bytes']:>12,} "
                       f"{d['compiled_bytes']:>12,}" for d in self.memory_disagreements[:12]]
-        if self.steps:
-            lines.append(f"numerics vs the plain step, {self.steps} steps: max relative "
-                         f"difference {self.max_param_rel_diff:.2e} (state), "
-                         f"{self.max_loss_rel_diff:.2e} (loss and metrics)")
+        lines += self._numerics_rows()
         return "\n".join(lines)
+
+    def _numerics_rows(self) -> list[str]:
+        if not self.steps:
+            return []
+        return [f"numerics vs the plain step, {self.steps} steps: max relative difference "
+                f"{self.max_param_rel_diff:.2e} (state), {self.max_loss_rel_diff:.2e} (loss "
+                "and metrics)"]
+
+    def _recipe_table(self) -> str:
+        """A recipe's step: compiled figures only (a recipe has no prediction)."""
+        m, cost = self.compiled_memory, self.compiled_cost
+        lines = [f"the step that runs is recipe {self.runs}'s (compiled; a recipe has no "
+                 "prediction to compare with)",
+                 f"{'peak memory':28s} {self.compiled_peak_bytes / 2**20:10.3f} MiB   (budget "
+                 f"{self.budget_bytes / 2**20:.3f} MiB, "
+                 f"{'fits' if self.fits else 'DOES NOT FIT'})",
+                 f"{'  argument/output/temp/alias':28s} {m.argument_bytes:,} / "
+                 f"{m.output_bytes:,} / {m.temp_bytes:,} / {m.alias_bytes:,} B"]
+        for kind, c in sorted(self.compiled_collectives.items()):
+            lines.append(f"{kind:28s} {c['bytes']:>12,} B   (count {c['count']})")
+        if cost is not None:
+            lines.append(f"{'step time (est.)':28s} {cost.step_seconds * 1e3:10.4f} ms   "
+                         f"(compute {cost.compute_seconds * 1e3:.4f} ms, collectives "
+                         f"{cost.collective_seconds * 1e3:.4f} ms)")
+        return "\n".join(lines + self._numerics_rows())
 
 
     def _time_rows(self) -> list[str]:
@@ -335,7 +380,12 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     Args:
       explain_memory: attribute the memory at both peaks to operators (one more compile with
         XLA's dumps on); None: only when it is off by more than the tolerance.
+
+    A recipe's step that runs instead of kiwi's plan is checked by :func:`verify_recipe`
+    (``explain_memory`` does not apply: there is no prediction to attribute against).
     """
+    if prepared.runs_recipe:
+        return verify_recipe(prepared, mesh, pure, steps)
     compiled = prepared.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     found = collectives(compiled.as_text(), ids)
@@ -373,6 +423,33 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     return report
 
 
+def verify_recipe(prepared: Prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
+    """Check the recipe's step that runs (it won the compiler's choice): its compiled memory
+    against the budget, its collectives and estimated step (the cluster of kiwi's problem),
+    and, given ``pure`` (the plain step with concrete arguments), its numerics against the
+    plain jitted step over ``steps`` steps. The predicted fields are None.
+
+    Raises:
+      ValueError: no recipe runs for this prepared step.
+    """
+    if not prepared.runs_recipe:
+        raise ValueError("verify_recipe: kiwi's plan runs for this step, not a recipe; use "
+                         "verify_prepared")
+    compiled = prepared.recipe.compiled
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    fields = {}
+    if pure is not None and steps > 0:
+        state_diff, loss_diff = compare_numerics(prepared, pure, steps)
+        fields = {"steps": steps, "max_param_rel_diff": state_diff,
+                  "max_loss_rel_diff": loss_diff}
+    return VerifyReport(
+        budget_bytes=prepared.choice.budget_bytes, predicted_peak_bytes=None,
+        compiled_memory=device_memory(compiled), predicted_collectives=None,
+        compiled_collectives=by_kind(collectives(compiled.as_text(), ids)), disagreements=(),
+        compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
+        runs=prepared.choice.winner, **fields)
+
+
 def overlap_placements(prepared: Prepared) -> list:
     """Where the compiled, scheduled step runs the recomputations a Lynx plan hides under
     collectives: per recomputation (found by its ``lynx_overlap`` name scope, fused or not),
@@ -385,4 +462,4 @@ def overlap_placements(prepared: Prepared) -> list:
     hidden = prepared.plan.hidden_under or {}
     paths = prepared.traced.node_paths()
     tags = {f"/k{paths[a][0]}/" for a in hidden.values() if a in paths}
-    return placements(prepared.compiled.as_text(), OVERLAP_SCOPE, tags)
+    return placements(prepared.applied.compiled.as_text(), OVERLAP_SCOPE, tags)

@@ -41,7 +41,8 @@ def test_a_scanned_model_is_planned_per_layer_and_matches_the_plain_step(name, m
     step, args = zoo.make(name, abstract=False, seed=0, **TINY[name])
     # a budget no plan reaches: the fastest sharding, without the reference plan's solve
     optimized = kiwi_jax.optimize(step, mesh=mesh24, memory_budget="1GiB", cache_dir=False,
-                                  time_limit=30.0, mip_gap=1e-2, fit_compiles=1)
+                                  time_limit=30.0, mip_gap=1e-2, fit_compiles=1,
+                                  recipes=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)     # Linen's SelfAttention
         prepared = optimized.lower(*args)

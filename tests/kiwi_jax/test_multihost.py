@@ -175,7 +175,8 @@ def _run_processes(tmp_path, timeout, **config) -> list[dict]:
 def test_two_processes_run_one_plan_like_one_process_on_eight_devices(tmp_path, mesh24):
     start = time.perf_counter()
     cache, options = tmp_path / "cache", dict(memory_budget=BUDGET, cluster="v100-nvlink",
-                                              time_limit=TIME_LIMIT, mip_gap=1e-2)
+                                              time_limit=TIME_LIMIT, mip_gap=1e-2,
+                                              recipes=False)     # kiwi's plan, as the processes
     outputs = _run_processes(tmp_path, timeout=TIMEOUT, models=["gpt", "llama"], steps=3,
                              cache_dir=str(cache), time_limit=TIME_LIMIT, budget=BUDGET)
     figures = {"processes_wall_seconds": time.perf_counter() - start,

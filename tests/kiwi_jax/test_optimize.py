@@ -33,9 +33,10 @@ SMALL = {
 # A limit the solves end well inside (the GPT's take ~35 s alone): a solve cut short by a busy
 # machine ends at another plan, and the tests would depend on the machine's load.
 FAST = dict(cluster="v100-nvlink", time_limit=120.0, mip_gap=1e-2, cache_dir=False,
-            fit_compiles=1)
+            fit_compiles=1, recipes=False)
 # One compile: the plan solved under the budget runs as compiled. The tests of what the budget
-# search does (a compiled step that fits, a budget only the model rules out) ask for it.
+# search does (a compiled step that fits, a budget only the model rules out) ask for it. No
+# recipes: these tests are of kiwi's plan (the choice is tests/kiwi_jax/test_choose.py's).
 SEARCH = dict(fit_compiles=FIT_COMPILES)
 
 
@@ -128,7 +129,8 @@ def test_argmax_accuracy_and_top_k_routing_match_the_plain_step(make, opcode, me
     """Multi-result operators in user steps: argmax's variadic reduce and top-2 routing."""
     train_step, args = make()
     step = kiwi_jax.optimize(train_step, mesh=mesh24, memory_budget="100%", cache_dir=False,
-                             time_limit=60, fit_compiles=1)       # numerics, not the search
+                             time_limit=60, fit_compiles=1,       # numerics, not the search
+                             recipes=False)
     report = step.verify(*args, steps=3)
     assert report.steps == 3
     assert report.max_loss_rel_diff <= 1e-5

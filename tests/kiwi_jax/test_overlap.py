@@ -21,7 +21,8 @@ def _step(overlap: bool):
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget="95%",
                              cluster="a100-pcie@10x", solver="lynx-heu", cache_dir=False,
-                             overlap=overlap, fit_compiles=1)   # placements, not the budget search
+                             overlap=overlap, fit_compiles=1,   # placements, not the budget search
+                             recipes=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # the fit loop may warn on this tiny model
         return ref, step, step.lower(*ref.abstract_init(), ref.abstract_batch())

@@ -1,5 +1,6 @@
 """Planning real train steps: layer ties, the 2-layer MLP on a 1x2 mesh, the ``plan`` command."""
 
+import argparse
 import dataclasses
 import inspect
 import json
@@ -174,6 +175,12 @@ def test_the_decorator_the_cli_and_solve_share_the_solver_defaults(monkeypatch):
     assert parse(["verify", "--no-reuse-layers"])["reuse_layers"] is False
     # the search against the compiled step: one default for the decorator and `verify`
     assert verify["fit_compiles"] == fields["fit_compiles"] == keywords["fit_compiles"]
+    # the recipes: compared by default, as by the decorator; --no-recipes or names
+    assert cli._verify_recipes(argparse.Namespace(**verify)) is True \
+        is fields["recipes"] is keywords["recipes"]
+    assert cli._verify_recipes(argparse.Namespace(**parse(["verify", "--no-recipes"]))) is False
+    assert cli._verify_recipes(argparse.Namespace(**parse(["verify", "--recipes", "dp", "tp"]))
+                               ) == ("dp", "tp")
 
 
 
@@ -188,7 +195,7 @@ def test_the_cli_and_the_decorator_give_the_same_plan(capsys, mesh24):
     ref = build("mlp", **config)
     # the plan as solved (no search against the compiled step, which the CLI does not compile)
     step = optimize(ref.train_step, mesh=mesh24, memory_budget="90%", cache_dir=False,
-                    fit_compiles=0)
+                    fit_compiles=0, recipes=False)
     plan = step.lower(*ref.abstract_init(), ref.abstract_batch()).plan
     assert plan.summary()["budget_bytes"] == printed["budget_bytes"]
     assert plan.fingerprint == printed["fingerprint"]
