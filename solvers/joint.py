@@ -210,8 +210,8 @@ class Builder:
           terms: ``(bytes expression, first time, last time)`` of every lifetime interval.
           budget: the per-device budget in bytes (ignored when minimising the peak).
           minimize_peak: add and return a variable >= every U_k.
-          skip: per time, True where no row is needed (see :func:`solvers.reuse.
-            inner_repeats`); None: rows at every time.
+          skip: per time, True where no row is kept (see ``skip_times`` of
+            :func:`build_joint`); None: rows at every time.
 
         The peak can only occur where some interval ends, so ``U_k`` is kept for those times
         only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8).
@@ -355,9 +355,10 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         :func:`solvers.reuse.layer_ties`), or None.
       max_seconds: an upper bound on the step time (with ``minimize_peak``: the smallest peak
         among the plans at most this slow).
-      skip_times: per time, True where the memory rows may be left out (the inner repeats of
-        a tied program, :func:`solvers.reuse.inner_repeats`); the caller checks the plan's
-        replay against the budget. None: rows at every time.
+      skip_times: per time, True where the memory rows may be left out (for a tied program,
+        the inner repeats of its layers and the optimizer's updates: ``solvers.solve.
+        _skipped_times``); the caller checks the plan's replay against the budget. None: rows
+        at every time.
     """
     start = time.perf_counter()
     p, b = problem, Builder(problem, tie)

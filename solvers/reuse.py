@@ -181,8 +181,8 @@ def inner_repeats(problem: ShardingProblem, tie: np.ndarray) -> np.ndarray:
     end layers' backward peaks were 0.89 and 0.98 of a budget the second and third reached at
     0.98 and 1.003). So the peak of a run's inner layers is at its second or its second-to-last
     layer, and the tied program needs memory rows only at the two layers of each end. The
-    solver checks that claim by replaying every plan, and restores the rows of a layer the
-    replay finds over the budget.
+    solver checks that claim by replaying every plan, and restores the rows of the layer's
+    part (forward, backward or update) the replay finds over the budget.
     """
     layer = problem.layer
     inner = np.zeros(problem.num_nodes, bool)
