@@ -379,17 +379,16 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
 
     ub = np.full(model.num_vars, 1.0)
     objective = list(cost)
-    recomputed = _recomputed(p, model, m_vars, keep_expr, droppable)
     w_vars: dict[tuple, int] = {}            # tied layers' twins share their w
     for i in np.flatnonzero(droppable):
         i = int(i)
-        if i in m_vars and not recomputed[i].is_constant:
-            key = (recomputed[i].key, cost[i].key)
+        if i in m_vars:
+            key = (m_vars[i], cost[i].key)
             if key not in w_vars:
                 big = cost[i].upper(ub)
                 w_vars[key] = model.add_var(lb=0.0, ub=big, integer=False,
                                             resolution=b.units.time_resolution)
-                model.add_row(var(w_vars[key]) - cost[i] - recomputed[i] * big, -big, np.inf)
+                model.add_row(var(w_vars[key]) - cost[i] + var(m_vars[i], big), 0.0, np.inf)
             objective.append(var(w_vars[key]))
         elif keep_expr[i].constant == 0.0:
             objective.append(cost[i])
@@ -404,33 +403,6 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
                       b.u_vars)
-
-
-def _recomputed(p, model, m_vars, keep_expr, droppable) -> list[Expr]:
-    """Per node, an expression that is 1 where a plan recomputes it, at its smallest (the
-    objective pushes it there): a value the backward pass reads, when dropped; a value only a
-    chain reads (:attr:`~solvers.problem.ShardingProblem.droppable`), when dropped and some
-    chained reader is recomputed (``r_i >= r_j - keep_i``), as the simulator replays it
-    (:meth:`~solvers.problem.ShardingProblem.dropped_stages`); else 0."""
-    n = p.num_nodes
-    readers = p.readers()
-    read_back = p.recomputable
-    out = [const(0.0)] * n
-    for i in reversed(range(n)):
-        if not droppable[i] or i not in m_vars:
-            continue
-        if read_back[i]:
-            out[i] = const(1.0) - keep_expr[i]
-            continue
-        chained = [out[j] for j in readers[i] if p.chained(i, j)
-                   and not (out[j].is_constant and out[j].constant == 0.0)]
-        if not chained:
-            continue                       # never recomputed: as good as kept
-        r = model.add_var(lb=0.0, ub=1.0, integer=False)
-        for r_j in chained:
-            model.add_row(var(r) - r_j + keep_expr[i], 0.0, np.inf)
-        out[i] = var(r)
-    return out
 
 
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable) -> None:

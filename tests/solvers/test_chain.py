@@ -152,25 +152,3 @@ def test_the_program_counts_every_chain_through_a_value_the_backward_pass_does_n
         assert claimed >= simulated if idle else claimed == simulated, gone
         checked += bool(gone & set(f)) and not idle
     assert checked >= 2
-
-
-def test_the_program_prices_what_the_simulator_recomputes():
-    """Over every keep set the rule allows, imposed on the program's keep variables, its step
-    time equals the simulator's: a branch dropped with none of its chained readers dropped is
-    not recomputed and costs nothing."""
-    from solvers.linexpr import var
-
-    p = _branch_problem()
-    strategy = np.zeros(p.num_nodes, int)
-    idle = 0
-    for gone, keep in _keep_sets(p):
-        joint = build_joint(p, None)
-        for node, index in joint.m_vars.items():
-            joint.model.add_row(var(index), float(keep[node]), float(keep[node]))
-        result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
-        seconds = result.objective * joint.units.seconds
-        assert seconds == pytest.approx(simulate(p, strategy, keep).step_seconds, rel=1e-9), gone
-        idle += any(i in gone and not p.recomputable[i] and
-                    not any(j in gone and p.chained(i, j) for j in p.readers()[i])
-                    for i in range(p.num_nodes))
-    assert idle >= 1
