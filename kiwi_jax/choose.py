@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterable
 
-from hlo_tools.compiled import device_memory
-from kiwi_jax.compile import CompiledPlan, compiler_options
-from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.recipes import BlockPolicyError, Recipe, all_recipes, recipe_step
+from kiwi_jax.compile import CompiledPlan
+from kiwi_jax.recipes import BlockPolicyError, Recipe, all_recipes, compile_recipe
 
 __all__ = ["KIWI", "RecipeRow", "Choice", "parse_recipes", "compile_recipes", "choose"]
 
@@ -180,8 +177,8 @@ class Choice:
 def compile_recipes(train_step, args: tuple, mesh, recipes, budget_bytes: int, cluster,
                     donate: bool = True) -> tuple[tuple, dict]:
     """Compile each recipe for ``train_step`` at ``args`` (abstract arrays are enough) as
-    kiwi's plan is compiled (:func:`kiwi_jax.compile.compiler_options`, the state donated with
-    ``donate``) and price it.
+    kiwi's plan is compiled (:func:`kiwi_jax.recipes.compile_recipe`: the compiler options of
+    :func:`kiwi_jax.compile.compiler_options`, the state donated with ``donate``) and price it.
 
     Returns:
       ``(rows, steps)``: a :class:`RecipeRow` per recipe, and ``{name: CompiledPlan}`` of the
@@ -191,22 +188,20 @@ def compile_recipes(train_step, args: tuple, mesh, recipes, budget_bytes: int, c
     """
     rows, best, best_seconds = [], {}, None
     for recipe in recipes:
-        start = time.perf_counter()
         try:
-            step = recipe_step(train_step, args, mesh, recipe, donate=donate)
+            result = compile_recipe(train_step, args, mesh, recipe, cluster, donate=donate)
         except BlockPolicyError as error:
             log.debug("recipe %s skipped: %s", recipe.name, error)
             rows.append(RecipeRow(recipe.name, None, None, str(error)))
             continue
-        compiled = step.jitted.lower(*step.pure.args).compile(compiler_options=compiler_options())
-        memory = device_memory(compiled).peak_bytes
-        seconds = compiled_cost(compiled, mesh, cluster).step_seconds
+        memory, seconds = result.peak_bytes, result.step_seconds
         rows.append(RecipeRow(recipe.name, memory, seconds,
-                              compile_seconds=time.perf_counter() - start))
+                              compile_seconds=result.compile_seconds))
         log.debug("recipe %s: %d B, est. %.6f s", recipe.name, memory, seconds)
         if memory <= budget_bytes and (best_seconds is None or seconds < best_seconds):
+            step = result.step
             best = {recipe.name: CompiledPlan(step.in_shardings, step.out_shardings,
-                                              step.state_out, step.jitted, compiled)}
+                                              step.state_out, step.jitted, result.compiled)}
             best_seconds = seconds
     return tuple(rows), best
 

@@ -194,6 +194,10 @@ class RecipeResult:
     """The compiled step priced with the cluster's figures."""
     compile_seconds: float
     """Lowering and compiling wall time."""
+    step: RecipeStep | None = dataclasses.field(default=None, repr=False, compare=False)
+    """The jitted step that was compiled."""
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)
+    """Its compiled executable (what runs when the recipe wins :mod:`kiwi_jax.choose`)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -223,22 +227,25 @@ def _abstract(args):
 
 
 def compile_recipe(train_step, args: tuple, mesh, recipe: Recipe | str,
-                   cluster="v100-nvlink", options: dict | None = None) -> RecipeResult:
+                   cluster="v100-nvlink", options: dict | None = None,
+                   donate: bool = True) -> RecipeResult:
     """Compile the recipe's step (abstract arguments are enough) and price it.
 
     Args:
       options: XLA compiler options added to :func:`kiwi_jax.compile.compiler_options` (which
         keep the recomputation on the CPU backend).
+      donate: see :func:`recipe_step`.
 
     Raises:
       BlockPolicyError: see :func:`recipe_step`.
     """
     start = time.perf_counter()
-    step = recipe_step(train_step, args, mesh, recipe)
+    step = recipe_step(train_step, args, mesh, recipe, donate=donate)
     compiled = step.jitted.lower(*_abstract(step.pure.args)).compile(
         compiler_options={**compiler_options(), **(options or {})})
     return RecipeResult(step.recipe, device_memory(compiled),
-                        compiled_cost(compiled, mesh, cluster), time.perf_counter() - start)
+                        compiled_cost(compiled, mesh, cluster), time.perf_counter() - start,
+                        step, compiled)
 
 
 def compare_recipes(train_step, args: tuple, mesh, recipes=None, cluster="v100-nvlink",
