@@ -397,11 +397,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     options["xla_disable_hlo_passes"] = ",".join(
         filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
     separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(compiler_options=options)
-    fields = {}
-    if pure is not None and steps > 0:
-        state_diff, loss_diff = compare_numerics(prepared, pure, steps)
-        fields = {"steps": steps, "max_param_rel_diff": state_diff,
-                  "max_loss_rel_diff": loss_diff}
+    fields = _numerics(prepared, pure, steps)
     report = VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
@@ -423,6 +419,15 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     return report
 
 
+def _numerics(prepared: Prepared, pure, steps: int) -> dict:
+    """The report's numerics fields: the step that runs against the plain step over ``steps``
+    steps, given ``pure`` (concrete arguments); none without."""
+    if pure is None or steps <= 0:
+        return {}
+    state_diff, loss_diff = compare_numerics(prepared, pure, steps)
+    return {"steps": steps, "max_param_rel_diff": state_diff, "max_loss_rel_diff": loss_diff}
+
+
 def verify_recipe(prepared: Prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
     """Check the recipe's step that runs (it won the compiler's choice): its compiled memory
     against the budget, its collectives and estimated step (the cluster of kiwi's problem),
@@ -437,11 +442,7 @@ def verify_recipe(prepared: Prepared, mesh, pure=None, steps: int = 3) -> Verify
                          "verify_prepared")
     compiled = prepared.recipe.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-    fields = {}
-    if pure is not None and steps > 0:
-        state_diff, loss_diff = compare_numerics(prepared, pure, steps)
-        fields = {"steps": steps, "max_param_rel_diff": state_diff,
-                  "max_loss_rel_diff": loss_diff}
+    fields = _numerics(prepared, pure, steps)
     return VerifyReport(
         budget_bytes=prepared.choice.budget_bytes, predicted_peak_bytes=None,
         compiled_memory=device_memory(compiled), predicted_collectives=None,
