@@ -9,8 +9,10 @@ status, the predicted peak against the compiled peak, the compiled peak over the
 whether it fits, the budget the solver was finally given (the decorator searches the solver's
 budget until the compiled step fits and uses it; ``plan.fit``, the search, is in the row),
 and the numerics of three applied steps against three plain jitted steps from the same concrete
-state (``kiwi_jax.verify.compare_numerics``). Every failure is a row with its stage, the
-exception's type and the first line of its message; the study itself never stops on one.
+state (``kiwi_jax.verify.compare_numerics``: the loss within 1e-6, each state leaf within 1e-5
+or within 10x its noise floor, the plain step data-parallel on the mesh against the plain step
+on one device). Every failure is a row with its stage, the exception's type and the first
+line of its message; the study itself never stops on one.
 
 Budgets are the decorator's percentages: ``"100%"`` is the peak of the fastest ``alpa`` plan
 with no memory limit (the reference plan), ``"80%"`` four fifths of it.
@@ -125,13 +127,12 @@ def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float) -> d
         fit_compiles_spent=None if plan.fit is None else plan.fit.compiles,
         fit=None if plan.fit is None else plan.fit.to_dict())
     try:
-        state_diff, output_diff = compare_numerics(
-            prepared, functionalize(step, args), NUMERICS_STEPS)
+        numerics = compare_numerics(prepared, functionalize(step, args), NUMERICS_STEPS,
+                                    _mesh(mesh))
     except Exception as error:  # every failure is a row
         row.update(numerics=None, error=_error("numerics", error))
     else:
-        row["numerics"] = {"steps": NUMERICS_STEPS, "max_param_rel_diff": state_diff,
-                           "max_loss_rel_diff": output_diff}
+        row["numerics"] = numerics.to_dict()
     row["wall_seconds"] = round(time.perf_counter() - start, 2)
     return row
 
@@ -148,7 +149,8 @@ def _progress(row: dict) -> str:
             f"({row['compiled_over_budget']:.3f} x budget, "
             f"{'fits' if row['fits'] else 'over'})")
     if numerics:
-        text += f"; state diff {numerics['max_param_rel_diff']:.1e}"
+        text += (f"; state diff {numerics['max_param_rel_diff']:.1e}, numerics "
+                 f"{'ok' if numerics['ok'] else 'FAIL'}")
     elif "error" in row:
         text += f"; numerics FAILED ({row['error']['type']})"
     return text + f" [{row['wall_seconds']:.0f} s]"
@@ -199,7 +201,7 @@ def markdown(result: dict) -> str:
                          f"{t['error']['message']} | | | |")
     lines += ["", "| model | mesh | budget | layers | nodes (merged) | strategies | plan s | "
               "status | predicted MiB | compiled MiB | compiled / budget | fits | "
-              "solver budget / budget | state diff (3 steps) |",
+              "solver budget / budget | state diff, 3 steps (numerics) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
               "| --- |"]
     lowers = {t["model"] for t in result["traced"] if t["lowers"]}
@@ -212,7 +214,8 @@ def markdown(result: dict) -> str:
                          "| | | | | | | | | | |")
             continue
         numerics = r.get("numerics") or {}
-        diff = (f"{numerics['max_param_rel_diff']:.1e}" if numerics
+        diff = (f"{numerics['max_param_rel_diff']:.1e} "
+                f"({'ok' if numerics.get('ok') else 'FAILS'})" if numerics
                 else f"failed: `{r['error']['type']}`")
         solver_budget = (r["solver_budget_bytes"] or r["budget_bytes"]) / r["budget_bytes"]
         lines.append(

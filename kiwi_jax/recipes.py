@@ -35,7 +35,7 @@ from kiwi_jax.recipe_specs import (SHARDINGS, batch_axes, data_flow, parameters,
 from kiwi_jax.step import PureStep, carried_state, functionalize
 
 __all__ = ["Recipe", "RecipeStep", "RecipeResult", "BlockPolicyError", "SHARDINGS", "POLICIES",
-           "all_recipes", "recipe_step", "compile_recipe", "compare_recipes"]
+           "all_recipes", "recipe_step", "data_parallel_step", "compile_recipe", "compare_recipes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,13 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
     pure = functionalize(wrapped, args) if wrapped is not train_step else plain
     specs = recipe_specs(plain, mesh, recipe.sharding, leaves, flow.roles)
     return _jitted(recipe, pure, specs, mesh, donate, tuple(paths))
+
+
+def data_parallel_step(pure: PureStep, mesh) -> RecipeStep:
+    """The plain step run data-parallel on ``mesh``: recipe ``dp`` with no policy, no
+    activation constraints and nothing donated. How far it is from the step on one device is
+    the rounding any sharding of the step brings (:func:`kiwi_jax.verify.compare_numerics`)."""
+    return _jitted(Recipe("dp"), pure, recipe_specs(pure, mesh, "dp"), mesh, False, ())
 
 
 def _jitted(recipe, pure: PureStep, specs, mesh, donate: bool, blocks: tuple) -> RecipeStep:

@@ -32,19 +32,99 @@ from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.multihost import place, to_host
 from kiwi_jax.plan import attributed_comms, by_kind
+from kiwi_jax.recipes import data_parallel_step
 from kiwi_jax.sharding import reshard_comms
 from solvers.simulator import live_bytes, simulate
 
 __all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "verify_recipe",
-           "TOLERANCE"]
+           "Numerics", "LeafDiff", "compare_numerics", "TOLERANCE", "LOSS_TOLERANCE",
+           "LEAF_TOLERANCE", "FLOOR_FACTOR"]
 
-UNCOMBINED = ("all-reduce-combiner", "all-gather-combiner", "reduce-scatter-combiner")
-"""XLA passes that merge collectives; disabled only to attribute collectives to operators."""
+UNCOMBINED = ("all-reduce-combiner", "cpu-all-reduce-combiner", "all-gather-combiner",
+              "reduce-scatter-combiner")
+"""XLA passes that merge collectives (the CPU backend has its own all-reduce combiner);
+disabled only to attribute collectives to operators."""
 
 TOLERANCE = 0.10
 """Relative tolerance of predicted vs compiled memory and collective bytes."""
 ARGUMENTS = "(arguments)"
 """The row memory of the step's inputs (parameters, optimizer state, batch) is attributed to."""
+LOSS_TOLERANCE = 1e-6
+"""Relative tolerance of the loss and metrics against the plain step."""
+LEAF_TOLERANCE = 1e-5
+"""Relative (2-norm) tolerance of a state leaf against the plain step, unless its noise floor
+is larger (:class:`Numerics`)."""
+FLOOR_FACTOR = 10.0
+"""A state leaf beyond :data:`LEAF_TOLERANCE` passes within this many times its noise floor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafDiff:
+    """One state leaf's relative difference from the plain step, beside its noise floor."""
+
+    path: str
+    """The leaf's path in the train state (``jax.tree_util.keystr``)."""
+    diff: float
+    """||step that runs - plain step|| / ||plain step|| (2-norms)."""
+    floor: float
+    """The same between the plain step run data-parallel on the mesh and on one device."""
+
+    @property
+    def ok(self) -> bool:
+        return self.diff <= LEAF_TOLERANCE or self.diff <= FLOOR_FACTOR * self.floor
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "diff": self.diff, "floor": self.floor, "ok": self.ok}
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """The step that runs against the plain jitted step on one device, over ``steps`` steps
+    from the same state.
+
+    The loss and metrics pass within :data:`LOSS_TOLERANCE`; each state leaf within
+    :data:`LEAF_TOLERANCE` of its norm, or within :data:`FLOOR_FACTOR` times its noise floor:
+    its difference between the plain step on one device and the plain step run data-parallel
+    on the mesh. A leaf whose gradient is rounding noise (an attention key bias, which softmax
+    cancels) differs between any two shardings once Adam normalises it; the floor says how
+    much. It is measured only when a leaf is beyond the tolerance."""
+
+    steps: int
+    max_param_rel_diff: float
+    """max over state leaves of the relative difference."""
+    max_loss_rel_diff: float
+    """The same over the step's other outputs (loss, metrics), every step."""
+    beyond: tuple = ()
+    """:class:`LeafDiff` of every leaf beyond :data:`LEAF_TOLERANCE`, largest first."""
+
+    @property
+    def failing(self) -> tuple:
+        """The leaves beyond both the tolerance and their noise floor's bound."""
+        return tuple(leaf for leaf in self.beyond if not leaf.ok)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_loss_rel_diff <= LOSS_TOLERANCE and not self.failing
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "max_param_rel_diff": self.max_param_rel_diff,
+                "max_loss_rel_diff": self.max_loss_rel_diff, "ok": self.ok,
+                "beyond_tolerance": [leaf.to_dict() for leaf in self.beyond]}
+
+    def summary(self) -> str:
+        """One line: the differences and the verdict."""
+        text = (f"numerics vs the plain step, {self.steps} steps: max relative difference "
+                f"{self.max_param_rel_diff:.2e} (state), {self.max_loss_rel_diff:.2e} (loss "
+                "and metrics)")
+        if self.max_loss_rel_diff > LOSS_TOLERANCE:
+            text += f"; loss beyond {LOSS_TOLERANCE:.0e}"
+        if self.beyond:
+            text += (f"; {len(self.beyond) - len(self.failing)} of {len(self.beyond)} leaves "
+                     f"beyond {LEAF_TOLERANCE:.0e} are within {FLOOR_FACTOR:g}x their noise "
+                     "floor (data-parallel vs one device)")
+        for leaf in self.failing[:5]:
+            text += f"; FAILS {leaf.path}: {leaf.diff:.2e} (floor {leaf.floor:.2e})"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +151,8 @@ class VerifyReport:
     compiled_live_bytes: int | None = None
     """The sum of the buffers XLA finds alive at its peak (None: memory not explained); below
     the compiled peak by the heap's fragmentation and the arguments no longer read."""
-    steps: int = 0
-    """Steps run for the numerics (0: not run)."""
-    max_param_rel_diff: float | None = None
-    """max over state leaves of ||optimized - plain|| / ||plain|| after ``steps`` steps."""
-    max_loss_rel_diff: float | None = None
-    """The same over the step's other outputs (loss, metrics), every step."""
+    numerics: Numerics | None = None
+    """The step that runs against the plain step, given concrete arguments (None: not run)."""
     predicted_step_seconds: float | None = None
     """The simulator's step time of the plan (``Plan.predicted_step_seconds``)."""
     predicted_compute_seconds: float | None = None
@@ -92,6 +168,21 @@ class VerifyReport:
     @property
     def compiled_peak_bytes(self) -> int:
         return self.compiled_memory.peak_bytes
+
+    @property
+    def steps(self) -> int:
+        """Steps run for the numerics (0: not run)."""
+        return 0 if self.numerics is None else self.numerics.steps
+
+    @property
+    def max_param_rel_diff(self) -> float | None:
+        """max over state leaves of ||run - plain|| / ||plain|| after ``steps`` steps."""
+        return None if self.numerics is None else self.numerics.max_param_rel_diff
+
+    @property
+    def max_loss_rel_diff(self) -> float | None:
+        """The same over the step's other outputs (loss, metrics), every step."""
+        return None if self.numerics is None else self.numerics.max_loss_rel_diff
 
     @property
     def fits(self) -> bool:
@@ -167,6 +258,7 @@ class VerifyReport:
             "compiled_live_bytes": self.compiled_live_bytes,
             "steps": self.steps, "max_param_rel_diff": self.max_param_rel_diff,
             "max_loss_rel_diff": self.max_loss_rel_diff,
+            "numerics": None if self.numerics is None else self.numerics.to_dict(),
             "predicted_step_seconds": self.predicted_step_seconds,
             "predicted_compute_seconds": self.predicted_compute_seconds,
             "estimated_step_seconds": self.estimated_step_seconds,
@@ -210,11 +302,7 @@ class VerifyReport:
         return "\n".join(lines)
 
     def _numerics_rows(self) -> list[str]:
-        if not self.steps:
-            return []
-        return [f"numerics vs the plain step, {self.steps} steps: max relative difference "
-                f"{self.max_param_rel_diff:.2e} (state), {self.max_loss_rel_diff:.2e} (loss "
-                "and metrics)"]
+        return [] if self.numerics is None else [self.numerics.summary()]
 
     def _recipe_table(self) -> str:
         """A recipe's step: compiled figures only (a recipe has no prediction)."""
@@ -336,6 +424,17 @@ def _copy(tree):
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
+def leaf_rel_diffs(a, b) -> list[tuple[str, float]]:
+    """``(path, ||a - b|| / ||b||)`` per leaf of ``a`` (2-norms; 0 where both are 0)."""
+    out = []
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        diff = float(np.linalg.norm((x - y).ravel()))
+        out.append((jax.tree_util.keystr(path),
+                    diff / max(float(np.linalg.norm(y.ravel())), 1e-30) if diff else 0.0))
+    return out
+
+
 def max_rel_diff(a, b) -> float:
     """max over leaves of ||a - b|| / ||b|| (2-norms; 0 where both are 0).
 
@@ -343,12 +442,7 @@ def max_rel_diff(a, b) -> float:
     element whose gradient cancels to rounding level (a sum of terms of both signs) turns the
     rounding of a reordered reduction into a visible update; such single elements differ by up
     to ~1e-4 of the leaf's scale between any two shardings of the same step."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        diff = float(np.linalg.norm((x - y).ravel()))
-        worst = max(worst, diff / max(float(np.linalg.norm(y.ravel())), 1e-30) if diff else 0.0)
-    return worst
+    return max((diff for _, diff in leaf_rel_diffs(a, b)), default=0.0)
 
 
 def _run(step, args, steps: int, state_out):
@@ -364,13 +458,25 @@ def _run(step, args, steps: int, state_out):
     return args[0], others
 
 
-def compare_numerics(prepared: Prepared, pure, steps: int) -> tuple[float, float]:
-    """(state, loss/metrics) max relative differences of the applied vs the plain step."""
+def compare_numerics(prepared: Prepared, pure, steps: int, mesh) -> Numerics:
+    """The step that runs (kiwi's plan or the recipe that won) against the plain jitted step
+    on one device, from the same state, over ``steps`` steps; the noise floor of the leaves
+    beyond :data:`LEAF_TOLERANCE` from the plain step run data-parallel on ``mesh``."""
     plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
     placed = place(_copy(pure.args), prepared.in_shardings)
-    opt_state, opt_out = _run(prepared.compiled, placed, steps, prepared.state_out)
-    return (max_rel_diff(to_host(opt_state), plain_state),
-            max_rel_diff(to_host(opt_out), plain_out))
+    state, out = _run(prepared.compiled, placed, steps, prepared.state_out)
+    diffs = leaf_rel_diffs(to_host(state), plain_state)
+    beyond = [(k, path, diff) for k, (path, diff) in enumerate(diffs) if diff > LEAF_TOLERANCE]
+    floors = [0.0] * len(diffs)
+    if beyond and mesh.devices.size > 1:
+        dp = data_parallel_step(pure, mesh)
+        dp_state, _ = _run(dp.jitted, place(_copy(pure.args), dp.in_shardings), steps,
+                           prepared.state_out)
+        floors = [diff for _, diff in leaf_rel_diffs(to_host(dp_state), plain_state)]
+    leaves = sorted((LeafDiff(path, diff, floors[k]) for k, path, diff in beyond),
+                    key=lambda leaf: -leaf.diff)
+    return Numerics(steps, max((d for _, d in diffs), default=0.0),
+                    max_rel_diff(to_host(out), plain_out), tuple(leaves))
 
 
 def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
@@ -397,7 +503,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     options["xla_disable_hlo_passes"] = ",".join(
         filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
     separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(compiler_options=options)
-    fields = _numerics(prepared, pure, steps)
+    numerics = _numerics(prepared, pure, steps, mesh)
     report = VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
@@ -409,7 +515,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         predicted_step_seconds=prepared.plan.predicted_step_seconds,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
-        **fields)
+        numerics=numerics)
     if explain_memory or (explain_memory is None and abs(report.memory_error) > TOLERANCE):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
                             compiler_options())
@@ -419,13 +525,12 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     return report
 
 
-def _numerics(prepared: Prepared, pure, steps: int) -> dict:
-    """The report's numerics fields: the step that runs against the plain step over ``steps``
-    steps, given ``pure`` (concrete arguments); none without."""
+def _numerics(prepared: Prepared, pure, steps: int, mesh) -> Numerics | None:
+    """The report's numerics: the step that runs against the plain step over ``steps`` steps,
+    given ``pure`` (concrete arguments); None without."""
     if pure is None or steps <= 0:
-        return {}
-    state_diff, loss_diff = compare_numerics(prepared, pure, steps)
-    return {"steps": steps, "max_param_rel_diff": state_diff, "max_loss_rel_diff": loss_diff}
+        return None
+    return compare_numerics(prepared, pure, steps, mesh)
 
 
 def verify_recipe(prepared: Prepared, mesh, pure=None, steps: int = 3) -> VerifyReport:
@@ -442,13 +547,12 @@ def verify_recipe(prepared: Prepared, mesh, pure=None, steps: int = 3) -> Verify
                          "verify_prepared")
     compiled = prepared.recipe.compiled
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-    fields = _numerics(prepared, pure, steps)
     return VerifyReport(
         budget_bytes=prepared.choice.budget_bytes, predicted_peak_bytes=None,
         compiled_memory=device_memory(compiled), predicted_collectives=None,
         compiled_collectives=by_kind(collectives(compiled.as_text(), ids)), disagreements=(),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
-        runs=prepared.choice.winner, **fields)
+        runs=prepared.choice.winner, numerics=_numerics(prepared, pure, steps, mesh))
 
 
 def overlap_placements(prepared: Prepared) -> list:

@@ -137,6 +137,7 @@ def test_zoo_study_quick(tmp_path, monkeypatch, capsys):
     assert row["numerics"]["steps"] == 3
     assert row["numerics"]["max_param_rel_diff"] < 1e-4
     assert row["numerics"]["max_loss_rel_diff"] < 1e-4
+    assert row["numerics"]["ok"], row["numerics"]       # 1e-6 loss, 1e-5 or 10x noise floor
 
 
 def test_a_failure_is_a_row_with_its_stage_type_and_first_line(monkeypatch):
