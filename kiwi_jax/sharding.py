@@ -128,8 +128,9 @@ def reshard_comms(nbytes: int, src: Spec, dst: Spec, mesh: MeshSpec) -> tuple[Co
     """Collectives that turn a tensor stored with ``src`` into ``dst``.
 
     For each dim the axes of ``src`` beyond the longest common prefix with ``dst`` are released;
-    a released axis that ``dst`` uses on another dim moves by all-to-all, the other released axes
-    of a dim are all-gathered in one collective; axes ``dst`` adds are local slices (free).
+    released axes that ``dst`` uses on another dim move by all-to-all (one over all the axes
+    that go from one dim to the same other dim), the other released axes of a dim are
+    all-gathered in one collective; axes ``dst`` adds are local slices (free).
     As XLA's SPMD partitioner does (checked against compiled HLO in the tests), slices run
     first, then the all-gathers from the last dim to the first, then the all-to-alls; buffer
     sizes follow the spec in force when each collective runs.
@@ -162,10 +163,16 @@ def reshard_comms(nbytes: int, src: Spec, dst: Spec, mesh: MeshSpec) -> tuple[Co
             for axis in gathered:
                 current[d].remove(axis)
             comms.append(Comm("all-gather", gathered, nbytes // others(())))
+    moves: dict[tuple[int, int], list[int]] = {}     # (from dim, to dim) -> axes, in order
     for axis in sorted(a for a in released if a in acquired):
-        comms.append(Comm("all-to-all", (axis,), nbytes // others({axis}) // mesh.shape[axis]))
-        current[released[axis]].remove(axis)
-        current[acquired[axis]].append(axis)
+        moves.setdefault((released[axis], acquired[axis]), []).append(axis)
+    for (source, target), axes in sorted(moves.items()):
+        group = tuple(axes)
+        comms.append(Comm("all-to-all", group, nbytes // others(set(group))
+                          // math.prod(mesh.shape[a] for a in group)))
+        for axis in group:
+            current[source].remove(axis)
+            current[target].append(axis)
     return tuple(comms)
 
 
