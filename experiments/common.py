@@ -228,6 +228,7 @@ class PlanCompiler:
     def _setup(self, train_step, args: tuple, mesh: str, cluster: str) -> None:
         import jax
 
+        from kiwi_jax.apply import carried_pairs
         from kiwi_jax.cluster import Cluster, MeshSpec
         from kiwi_jax.frontend import trace
         from kiwi_jax.problem import build_problem
@@ -236,11 +237,12 @@ class PlanCompiler:
         self.traced = trace(train_step, *args)
         self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
-        self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster))
+        self.state_out = carried_state(self.pure, jax.eval_shape(self.pure.fn, *self.pure.args))
+        self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster),
+                                   carried=carried_pairs(self.traced, self.state_out))
         size = spec.shape[0] * spec.shape[1]
         self.mesh = jax.make_mesh(spec.shape, ("data", "model"), devices=jax.devices()[:size],
                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        self.state_out = carried_state(self.pure, jax.eval_shape(self.pure.fn, *self.pure.args))
 
     def compiled_memory(self, solution, budget: int) -> dict:
         """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the
@@ -250,7 +252,8 @@ class PlanCompiler:
 
         plan = plan_from_solution(self.build, solution, budget)
         start = time.perf_counter()
-        applied = compile_plan(self.traced, plan, self.mesh, self.pure, self.state_out)
+        applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure,
+                               self.state_out)
         peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
                 "compile_seconds": round(time.perf_counter() - start, 2)}

@@ -1,5 +1,6 @@
-"""Apply a plan to a train step: sharding constraints on every planned value, recomputation of
-the dropped ones, input and output shardings from the plan.
+"""Apply a plan to a train step: sharding constraints on every planned value and on every operand
+the plan reshards for its reader, recomputation of the dropped ones, input and output shardings
+from the plan.
 
 The plan is made on the operator graph of the *interpreted* step (see :mod:`kiwi_jax.interpret`),
 whose HLO instructions carry the path of the jaxpr equation that produced them. Each equation
@@ -32,7 +33,8 @@ from kiwi_jax.interpret import Interpreter, inlined_call, is_unit, scan_body, ta
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep
 
-__all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint"]
+__all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint",
+           "carried_pairs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,20 @@ class TracedStep:
     def node_paths(self) -> dict[int, tuple[str, int]]:
         """Inverse of ``representative``."""
         return {node: key for key, node in self.representative.items()}
+
+
+def carried_pairs(traced: TracedStep, state_out: int | None) -> tuple[tuple[int, int], ...]:
+    """``(updated value, parameter)`` graph nodes of the train state the step returns at output
+    position ``state_out`` (None: the step carries no state): the k-th leaf of the returned
+    state is the next value of the k-th parameter (the state is the first argument)."""
+    if state_out is None:
+        return ()
+    graph, tree = traced.graph, traced.out_tree
+    counts = [len(jax.tree.leaves(sub, is_leaf=lambda x: x is None))
+              for sub in jax.tree.unflatten(tree, [None] * tree.num_leaves)]
+    first = sum(counts[:state_out])
+    return tuple((graph.outputs[first + k], graph.parameters[k])
+                 for k in range(counts[state_out]))
 
 
 def _representatives(closed, graph: OpGraph) -> dict:
@@ -143,7 +159,8 @@ def fingerprint(hlo_text: str) -> str:
 
 
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
-                     beside: dict[int, int] | None = None, chains: bool = True):
+                     beside: dict[int, int] | None = None, chains: bool = True,
+                     operand_specs: list | None = None):
     """The step with the plan applied, and its input/output shardings.
 
     Args:
@@ -156,6 +173,11 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
       chains: recompute a dropped value's dropped inputs of its layer first (the reduced
         program's chains, ``ShardingProblem.chained``); False (Lynx's schedules, which recompute
         one level in their windows): read them as the forward pass left them.
+      operand_specs: per graph node, the specs its strategy reads its operands in (by HLO
+        operand slot). Where a reader reads a value in another spec than the value's own, the
+        operand is constrained to it at that reader: given only the produced specs, XLA's
+        partitioner may compute the reader another way (a batch-sharded weight gradient summed
+        by an all-reduce where the plan gathers its operands). None: outputs only.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -178,12 +200,28 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
             return value
         return jax.lax.with_sharding_constraint(value, target)
 
+    def reshard(path, source, value):
+        node = traced.representative.get((path, 0))
+        if node is None or source is None:
+            return value
+        src = graph.parameters[source[1]] if source[0] == "arg" \
+            else traced.representative.get(source)
+        targets = {operand_specs[node][slot] for slot, o in enumerate(graph.nodes[node].operands)
+                   if o == src}
+        if len(targets) != 1:
+            return value
+        (target,) = targets
+        return value if target == specs[src] \
+            else jax.lax.with_sharding_constraint(value, sharding(target))
+
     paths = traced.node_paths()
     top = {node: paths[node][0] for node in (beside or {}) if node in paths}
     anchors = {top[node]: paths[anchor][0] for node, anchor in (beside or {}).items()
                if node in top and top[node] in recompute and anchor in paths
                and is_unit(paths[anchor][0])}
-    interpreter = Interpreter(traced.closed, constrain=constrain, recompute=frozenset(recompute),
+    interpreter = Interpreter(traced.closed, constrain=constrain,
+                              reshard=None if operand_specs is None else reshard,
+                              recompute=frozenset(recompute),
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains
                               else frozenset())
@@ -208,6 +246,11 @@ def _chained_paths(traced: TracedStep, recompute_nodes: set[int]) -> frozenset:
                     and graph.nodes[i].layer == graph.nodes[j].layer:
                 out.add(paths[i][0])
     return frozenset(out)
+
+
+def operand_specs_of(strategies, choice) -> list:
+    """Per node, the operand specs of its chosen strategy (by HLO operand slot)."""
+    return [strategies[i][int(c)].operands for i, c in enumerate(np.asarray(choice))]
 
 
 def node_specs(strategies, choice) -> list:

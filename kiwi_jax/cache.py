@@ -1,5 +1,5 @@
-"""Plans on disk, keyed by what they depend on: the step's HLO, the mesh, the budget, the cluster
-and the solver. A missing, unreadable or mismatched entry is a miss (with a warning), never an
+"""Plans on disk, keyed by what they depend on: the step's HLO, the mesh, the budget, the cluster,
+the solver and the cost model's version. A missing, unreadable or mismatched entry is a miss (with a warning), never an
 error: the plan is then solved again and the entry rewritten."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import warnings
 
 from kiwi_jax.plan import Plan
 
-__all__ = ["PlanCache", "default_cache_dir"]
+__all__ = ["PlanCache", "default_cache_dir", "MODEL_VERSION"]
+
+MODEL_VERSION = 2
+"""The costs and memory plans are solved against; a change that moves plans bumps it, so a
+cached plan of an earlier model is solved again (2: the carried state's resharding priced)."""
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -30,7 +34,8 @@ class PlanCache:
 
     @staticmethod
     def key(**fields) -> str:
-        """A stable hash of the fields (strings, numbers, tuples)."""
+        """A stable hash of the fields (strings, numbers, tuples) and :data:`MODEL_VERSION`."""
+        fields = {**fields, "model_version": MODEL_VERSION}
         text = json.dumps({k: fields[k] for k in sorted(fields)}, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 

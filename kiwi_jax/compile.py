@@ -14,7 +14,7 @@ import jax
 
 import solvers
 from hlo_tools.compiled import MemoryStats, device_memory
-from kiwi_jax.apply import TracedStep, applied_function
+from kiwi_jax.apply import TracedStep, applied_function, operand_specs_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.step import PureStep
@@ -56,10 +56,11 @@ class CompiledPlan:
         return device_memory(self.compiled)
 
 
-def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
+def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract: PureStep,
                  state_out: int | None = None, donate: bool = True,
                  overlap: bool = True) -> CompiledPlan:
-    """Apply ``plan`` to the traced step and compile it for ``abstract``'s argument shapes.
+    """Apply ``plan`` (solved on ``build``, whose strategies say in which spec each operator
+    reads its operands) to the traced step and compile it for ``abstract``'s argument shapes.
 
     Args:
       state_out: position of the updated state among the outputs (see carried_state): it gets
@@ -69,7 +70,8 @@ def compile_plan(traced: TracedStep, plan: Plan, mesh, abstract: PureStep,
     fn, in_shardings, out_shardings = applied_function(
         traced, list(plan.specs), plan.recomputed, mesh,
         beside=plan.hidden_under if overlap else None,
-        chains=plan.solver not in solvers.LYNX_SOLVERS)
+        chains=plan.solver not in solvers.LYNX_SOLVERS,
+        operand_specs=operand_specs_of(build.strategies, plan.strategy))
     jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
     return CompiledPlan(tuple(in_shardings), tuple(out_shardings), state_out, jitted, compiled)

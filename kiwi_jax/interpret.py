@@ -26,8 +26,11 @@ of layers (an encoder's after a decoder's) continues the count, so the graph's l
 solvers' ties across layers see one layer per iteration. The planned step is therefore
 unrolled: its program grows with the number of layers, unlike the user's scan.
 
-A plan enters through two callbacks: ``constrain(path, index, value)`` after every equation (the
-sharding constraint of a planned value) and ``recompute`` (the paths of forward equations, at
+A plan enters through ``constrain(path, index, value)`` after every equation (the sharding
+constraint of a planned value), ``reshard(path, source, value)`` on every operand of a primitive
+(the spec its reader's strategy reads it in, where the plan reshards it: ``source`` is the
+``(path, index)`` of the equation that made the value, or ``("arg", i)`` for the step's i-th
+argument leaf, None when unknown) and ``recompute`` (the paths of forward equations, at
 top level or in an unrolled scan body, whose outputs are dropped after the forward pass and
 recomputed right before their first backward reader, at top level or in an unrolled backward
 scan, behind an optimization barrier tied to that reader's other inputs, as ``jax.checkpoint``
@@ -168,10 +171,17 @@ class _Run:
     """State of one evaluation of the step."""
 
     producer: dict = dataclasses.field(default_factory=dict)    # id(value) -> _Unit
+    made: dict = dataclasses.field(default_factory=dict)  # id(value) -> (value, (path, index))
     by_path: dict = dataclasses.field(default_factory=dict)     # path -> _Unit
     recomputed: dict = dataclasses.field(default_factory=dict)  # id(value) -> recomputed value
     forward_scans: list = dataclasses.field(default_factory=list)  # (length, reverse, first)
     next_layer: int = 0
+
+    def source(self, value) -> tuple | None:
+        """``(path, output index)`` of the equation that made ``value`` (``("arg", i)``: the
+        step's i-th argument leaf); None when it was made elsewhere."""
+        entry = self.made.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
 
 @dataclasses.dataclass
@@ -181,6 +191,8 @@ class Interpreter:
     Attributes:
       closed: the step's closed jaxpr.
       constrain: ``constrain(path, output_index, value) -> value`` or None.
+      reshard: ``reshard(path, source, value) -> value`` on each operand of a primitive, or
+        None (see the module notes).
       recompute: paths of forward recompute units (:func:`is_unit`) to drop and recompute;
         non-backward readers (the optimizer) keep reading the original values.
       beside: ``{dropped path: anchor path}``: recompute these when the backward unit at the
@@ -192,6 +204,7 @@ class Interpreter:
 
     closed: object
     constrain: Callable | None = None
+    reshard: Callable | None = None
     recompute: frozenset = frozenset()
     beside: dict = dataclasses.field(default_factory=dict)
     chained: frozenset = frozenset()
@@ -201,6 +214,8 @@ class Interpreter:
         anchored: dict[str, list[str]] = {}
         for dropped, anchor in self.beside.items():
             anchored.setdefault(anchor, []).append(dropped)
+        for i, v in enumerate(args_flat):
+            run.made[id(v)] = (v, ("arg", i))
         outs = self._eval(run, anchored, self.closed.jaxpr, self.closed.consts, list(args_flat),
                           "", units=True, in_scan=False)
         return [self._materialise(v) for v in outs]
@@ -227,12 +242,18 @@ class Interpreter:
             with source_info_util.user_context(
                     eqn.source_info.traceback, name_stack=name_stack.extend(f"k{path}")), \
                     eqn.ctx.manager:
+                if self.reshard is not None:        # tagged as the reader's, as planned
+                    invals = [self.reshard(path, run.source(v), v) if _is_array(v) else v
+                              for v in invals]
                 outvals = eqn.primitive.bind(*invals, **params)
             if not eqn.primitive.multiple_results:
                 outvals = [outvals]
         if self.constrain is not None:
             outvals = [v if isinstance(v, _Stacked) else self.constrain(path, k, v)
                        for k, v in enumerate(outvals)]
+        for k, v in enumerate(outvals):
+            if _is_array(v):
+                run.made[id(v)] = (v, (path, k))
         return list(outvals)
 
     def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:

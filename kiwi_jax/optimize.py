@@ -48,7 +48,7 @@ from flax import nnx
 
 import solvers
 from hlo_tools.graph import Phase
-from kiwi_jax.apply import TracedStep, trace_for_planning
+from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.choose import KIWI, Choice, choose, compile_recipes, parse_recipes
 from kiwi_jax.cluster import Cluster, MeshSpec
@@ -249,10 +249,11 @@ class OptimizedStep:
                 f"{self.__name__} computes no gradient: kiwi_jax.optimize plans the forward, "
                 "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
                 "inside it); for a forward-only function use jax.jit")
-        build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
-                              memory_model=options.memory_model)
-        key = self._key(traced, build)
         state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
+                              memory_model=options.memory_model,
+                              carried=carried_pairs(traced, state_out))
+        key = self._key(traced, build)
         receives = processes is not None and options.share_plan and not processes.is_planner
         recipes = parse_recipes(options.recipes)
         if recipes and processes is not None:
@@ -266,7 +267,7 @@ class OptimizedStep:
             if plan is None:
                 return None, key
             plan_seconds, start = time.perf_counter() - start, time.perf_counter()
-            applied = self._apply(traced, plan, abstract, state_out)
+            applied = self._apply(traced, build, plan, abstract, state_out)
         else:
             try:
                 plan, applied, cached, plan_seconds, start = self._planned(
@@ -334,7 +335,7 @@ class OptimizedStep:
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if cached or not options.fit_compiles:
-            applied = self._apply(traced, plan, abstract, state_out)
+            applied = self._apply(traced, build, plan, abstract, state_out)
         else:
             plan, applied = self._fit(traced, build, plan, infeasible, abstract, state_out)
         if not cached:
@@ -355,11 +356,11 @@ class OptimizedStep:
         self._store(traced, build, plan)
         return plan
 
-    def _apply(self, traced: TracedStep, plan: Plan, abstract: PureStep,
+    def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan, abstract: PureStep,
                state_out: int | None) -> CompiledPlan:
         """The plan applied and compiled; ``state_out``: position of the updated state among
         the outputs (see carried_state)."""
-        return compile_plan(traced, plan, self.options.mesh, abstract, state_out,
+        return compile_plan(traced, build, plan, self.options.mesh, abstract, state_out,
                             self.options.donate, self.options.overlap)
 
     def _fit(self, traced, build, first: Plan | None,
@@ -391,7 +392,7 @@ class OptimizedStep:
                 return None
 
         def compile_(plan: Plan) -> int:
-            applied[plan.fingerprint] = self._apply(traced, plan, abstract, state_out)
+            applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, state_out)
             return applied[plan.fingerprint].memory.peak_bytes
 
         floor = None if first is not None else infeasible.min_feasible_bytes \

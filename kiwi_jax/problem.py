@@ -82,7 +82,7 @@ def check_memory_model(memory_model: str) -> None:
 
 
 def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
-                  memory_model: str = "auto") -> ProblemBuild:
+                  memory_model: str = "auto", carried=()) -> ProblemBuild:
     """Enumerate strategies and costs for every node and edge of ``graph``.
 
     Args:
@@ -91,6 +91,9 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
       cluster: a :class:`Cluster` or a preset name.
       merge: merge follower nodes into the node they follow (Alpa's graph simplification).
       memory_model: one of :data:`MEMORY_MODELS`.
+      carried: ``(updated value, parameter)`` node pairs of the state the step returns
+        (:func:`kiwi_jax.apply.carried_pairs`): a value whose spec is not its parameter's is
+        resharded at the end of every step (:attr:`ShardingProblem.carried`).
 
     Returns:
       The problem (its layer ties filled) with the strategy objects behind it.
@@ -116,6 +119,11 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[src].nbytes, tuple(s.out for s in strategies[src]),
                      tuple(s.operands[slot] for s in strategies[dst]))
         for src, dst, slot in edges)
+    carried = np.asarray(carried, np.int64).reshape(-1, 2)
+    carried_resharding = tuple(
+        cache.matrix(graph.nodes[value].nbytes, tuple(s.out for s in strategies[value]),
+                     tuple(s.out for s in strategies[param]))
+        for value, param in carried)
     fused = fused_values(graph) if memory_model == "fused" else np.zeros(len(graph), bool)
     held = held_operands(graph, fused) if memory_model == "fused" else None
     live = liveness(graph, held)
@@ -134,7 +142,8 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         flops=np.array([graph.flops(i) for i in range(len(graph))]),
         peak_flops=cluster.device.flops, op_names=tuple(n.op_name for n in graph.nodes),
         uses=None if held is None else np.array(
-            [(v, i) for i, values in enumerate(held) for v in values], np.int64).reshape(-1, 2))
+            [(v, i) for i, values in enumerate(held) for v in values], np.int64).reshape(-1, 2),
+        carried=carried, carried_resharding=carried_resharding)
     if merge:
         problem = merge_followers(problem)
     problem = with_layer_ties(problem)

@@ -27,6 +27,7 @@ import numpy as np
 from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at_peak,
                                 placements)
 from hlo_tools.graph import Phase
+from kiwi_jax.apply import carried_pairs
 from kiwi_jax.compile import Prepared, compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
@@ -357,18 +358,10 @@ def predicted_compute_seconds(prepared: Prepared) -> float:
 def carried_comms(prepared: Prepared) -> list:
     """Resharding of updated state leaves whose planned spec differs from the input's (the
     updated state keeps the input's sharding so the next step reads it in place)."""
-    if prepared.state_out is None:
-        return []
     graph, specs, mesh = prepared.traced.graph, prepared.plan.specs, prepared.build.mesh
-    out_tree = prepared.traced.out_tree
-    counts = [len(jax.tree.leaves(sub, is_leaf=lambda x: x is None))
-              for sub in jax.tree.unflatten(out_tree, [None] * out_tree.num_leaves)]
-    first = sum(counts[:prepared.state_out])
     comms = []
-    for k in range(counts[prepared.state_out]):
-        out_node, param_node = graph.outputs[first + k], graph.parameters[k]
-        comms += reshard_comms(graph.nodes[out_node].nbytes, specs[out_node],
-                               specs[param_node], mesh)
+    for value, param in carried_pairs(prepared.traced, prepared.state_out):
+        comms += reshard_comms(graph.nodes[value].nbytes, specs[value], specs[param], mesh)
     return comms
 
 

@@ -64,7 +64,7 @@ class Units:
     @classmethod
     def for_problem(cls, problem: ShardingProblem) -> "Units":
         cost = max(float(problem.node_cost(i).max()) for i in range(problem.num_nodes))
-        cost = max([cost] + [float(r.max()) for r in problem.resharding])
+        cost = max([cost] + [float(r.max()) for _, _, r in problem.priced_pairs()])
         memory = max(float(m.max()) for m in problem.memory)
         return cls(seconds=2.0 ** math.floor(math.log2(max(cost, 1e-30) / 1e3)),
                    bytes=2.0 ** max(0, math.floor(math.log2(max(memory, 1.0) / 1e3))))
@@ -254,20 +254,20 @@ class Builder:
         incoming edges."""
         cost = [self.node_expr(i, self.p.node_cost(i) / self.units.seconds)
                 for i in range(self.p.num_nodes)]
-        for e, expr in enumerate(self.edge_exprs()):
-            dst = int(self.p.edges[e][1])
+        for (_, dst, _), expr in zip(self.p.priced_pairs(), self.edge_exprs()):
             cost[dst] = cost[dst] + expr
         return cost
 
     def edge_exprs(self) -> list[Expr]:
-        """Resharding seconds of every edge as an expression."""
+        """Resharding seconds of every edge, then of every carried state value
+        (:meth:`ShardingProblem.priced_pairs`), as an expression."""
         p = self.p
-        out: list[Expr | None] = [None] * len(p.edges)
+        priced = p.priced_pairs()
+        out: list[Expr | None] = [None] * len(priced)
         pairs: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
-        for e, (src, dst, _slot) in enumerate(p.edges):
+        for e, (src, dst, resharding) in enumerate(priced):
             ls, ld = int(p.leader[src]), int(p.leader[dst])
-            matrix = p.resharding[e][np.ix_(p.follow[src], p.follow[dst])] \
-                / self.units.seconds
+            matrix = resharding[np.ix_(p.follow[src], p.follow[dst])] / self.units.seconds
             if not matrix.any():
                 out[e] = const(0.0)
             elif ls == ld:

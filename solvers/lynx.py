@@ -69,6 +69,9 @@ def fixed_strategy(problem: ShardingProblem, strategy) -> ShardingProblem:
         strategy_names=tuple((n[s],) for n, s in zip(problem.strategy_names, strategy)),
         resharding=tuple(r[[strategy[a]]][:, [strategy[b]]]
                          for r, (a, b, _slot) in zip(problem.resharding, problem.edges)),
+        carried_resharding=tuple(r[[strategy[v]]][:, [strategy[p]]]
+                                 for r, (v, p) in zip(problem.carried_resharding,
+                                                      problem.carried)),
         leader=np.arange(problem.num_nodes),
         follow=tuple(np.zeros(1, np.int64) for _ in range(problem.num_nodes)))
 

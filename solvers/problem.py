@@ -84,6 +84,14 @@ class ShardingProblem:
     through :func:`solvers.reuse.with_layer_ties`). Default: the identity, nothing tied, so that
     ``reuse_layers`` solves such a problem untied. ``dataclasses.replace`` copies it: after
     changing names, phases, costs or memory, fill it again with ``with_layer_ties``."""
+    carried: np.ndarray | None = None
+    """int (C, 2): (updated state value, parameter) pairs: the step returns the value as the
+    parameter's next value, in the parameter's spec (the next step reads it in place), so a
+    value in another spec is resharded at the end of every step. Priced like an edge into the
+    parameter (:attr:`carried_resharding`); not data flow: no memory, no order. Default:
+    none (a step that carries no state, or a problem built without knowing it)."""
+    carried_resharding: tuple[np.ndarray, ...] = ()
+    """Per carried pair, seconds to reshard: [value strategy, parameter strategy]."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -98,6 +106,11 @@ class ShardingProblem:
                                                       np.int64).reshape(-1, 2))
         if self.ties is None:
             object.__setattr__(self, "ties", np.arange(n))
+        carried = np.zeros((0, 2), np.int64) if self.carried is None else self.carried
+        object.__setattr__(self, "carried", np.asarray(carried, np.int64).reshape(-1, 2))
+        if len(self.carried) != len(self.carried_resharding):
+            raise ValueError(f"{len(self.carried)} carried pairs but "
+                             f"{len(self.carried_resharding)} matrices")
         if len(self.ties) != n:
             raise ValueError(f"ties has {len(self.ties)} entries for {n} nodes; expected one per "
                              "node (solvers.reuse.with_layer_ties fills it)")
@@ -253,15 +266,25 @@ class ShardingProblem:
             out[int(src)].append(int(dst))
         return out
 
+    def priced_pairs(self) -> list[tuple[int, int, np.ndarray]]:
+        """``(source, destination, [source strategy, destination strategy] seconds)`` of every
+        resharding the step pays: the edges, then the carried state (charged to the
+        parameter)."""
+        return ([(int(src), int(dst), r) for (src, dst, _), r in zip(self.edges,
+                                                                     self.resharding)]
+                + [(int(v), int(p), r) for (v, p), r in zip(self.carried,
+                                                            self.carried_resharding)])
+
     def costs_of(self, strategy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(compute, own collectives, operand resharding)`` seconds per node under
-        ``strategy`` (one strategy index per node)."""
+        ``strategy`` (one strategy index per node); a parameter's resharding is that of its
+        carried updated value (:attr:`carried`)."""
         strategy = np.asarray(strategy)
         compute = np.array([self.compute[i][s] for i, s in enumerate(strategy)])
         comm = np.array([self.comm[i][s] for i, s in enumerate(strategy)])
         reshard = np.zeros(self.num_nodes)
-        for e, (src, dst, _slot) in enumerate(self.edges):
-            reshard[dst] += self.resharding[e][strategy[src], strategy[dst]]
+        for src, dst, matrix in self.priced_pairs():
+            reshard[dst] += matrix[strategy[src], strategy[dst]]
         return compute, comm, reshard
 
     def memory_of(self, strategy) -> np.ndarray:
@@ -299,6 +322,7 @@ class ShardingProblem:
         return {
             "nodes": self.num_nodes,
             "edges": int(len(self.edges)),
+            "carried": int(len(self.carried)),
             "strategies_total": int(self.num_strategies.sum()),
             "nodes_after_merge": int(len(self.leaders)),
             "forward_nodes": int((self.phase == Phase.FORWARD).sum()),
@@ -316,13 +340,15 @@ class ShardingProblem:
         arrays.update({f"memory_{i}": c for i, c in enumerate(self.memory)})
         arrays.update({f"follow_{i}": c for i, c in enumerate(self.follow)})
         arrays.update({f"resharding_{e}": r for e, r in enumerate(self.resharding)})
+        arrays.update({f"carried_resharding_{c}": r
+                       for c, r in enumerate(self.carried_resharding)})
         np.savez_compressed(
             path, names=np.array(self.names), opcodes=np.array(self.opcodes), phase=self.phase,
             layer=self.layer, edges=self.edges, z=self.z, live=self.live,
             fwd_last_use=self.fwd_last_use, first_bwd_use=self.first_bwd_use,
             is_output=self.is_output, mesh_shape=np.array(self.mesh_shape), flops=self.flops,
             peak_flops=np.array(self.peak_flops), leader=self.leader, uses=self.uses,
-            ties=self.ties,
+            ties=self.ties, carried=self.carried,
             op_names=np.array(self.op_names, dtype=str),
             strategy_names=np.array(["\n".join(s) for s in self.strategy_names]), **arrays)
 
@@ -336,6 +362,7 @@ class ShardingProblem:
                             "nothing is tied; solvers.reuse.with_layer_ties(problem) finds them",
                             path)
             n, e = len(data["names"]), len(data["edges"])
+            carried = data["carried"] if "carried" in data else np.zeros((0, 2), np.int64)
             return cls(
                 names=tuple(data["names"].tolist()), opcodes=tuple(data["opcodes"].tolist()),
                 phase=data["phase"], layer=data["layer"],
@@ -351,4 +378,6 @@ class ShardingProblem:
                 follow=tuple(data[f"follow_{i}"] for i in range(n)),
                 op_names=tuple(data["op_names"].tolist()),
                 uses=data["uses"] if "uses" in data else None,
-                ties=data["ties"] if "ties" in data else None)
+                ties=data["ties"] if "ties" in data else None, carried=carried,
+                carried_resharding=tuple(data[f"carried_resharding_{c}"]
+                                         for c in range(len(carried))))

@@ -49,6 +49,34 @@ def test_diamond_pays_resharding_on_both_branches():
     assert sol.objective == pytest.approx(7.0)
 
 
+def _carried_problem(carried: bool):
+    """A parameter (one spec) and its update (2 strategies: 3 s in the parameter's spec, 1 s
+    in another); returned as the parameter's next value, the other spec costs 5 s to reshard
+    back at the end of the step."""
+    p = make_problem([Phase.PARAM, Phase.OPTIMIZER], [(0, 1)], [[0.0], [3.0, 1.0]],
+                     [[100], [100, 10]], outputs=(1,))
+    if not carried:
+        return p
+    return dataclasses.replace(p, carried=np.array([[1, 0]]),
+                               carried_resharding=(np.array([[0.0], [5.0]]),))
+
+
+@pytest.mark.parametrize("solver", ["alpa", "kiwi"])
+def test_the_carried_state_is_resharded_back_at_a_price(solver, tmp_path):
+    assert solve(_carried_problem(False), None, solver=solver).strategy.tolist() == [0, 1]
+    p = _carried_problem(True)
+    sol = solve(p, None, solver=solver)
+    assert sol.strategy.tolist() == [0, 0] and sol.objective == pytest.approx(3.0)
+    assert simulate(p, [0, 1]).step_seconds == pytest.approx(6.0)   # charged to the parameter
+    assert p.costs_of([0, 1])[2].tolist() == [5.0, 0.0]
+    p.save(tmp_path / "p.npz")
+    again = solvers.ShardingProblem.load(tmp_path / "p.npz")
+    assert again.carried.tolist() == [[1, 0]]
+    assert simulate(again, [0, 1]).step_seconds == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="1 carried pairs but 0 matrices"):
+        dataclasses.replace(p, carried_resharding=())
+
+
 def test_memory_budget_moves_to_the_smaller_strategy():
     # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
     p = make_problem([Phase.FORWARD], [], [[1.0, 3.0]], [[100, 10]])
