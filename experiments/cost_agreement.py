@@ -12,8 +12,8 @@ the median and largest relative step error.
 Each row also carries the terms that separate the two, measured on that plan:
 
 - ``carried_seconds``: the resharding of the updated state back to the input's layout (the
-  step returns its state where it read it); the compiled step runs it, the model has no term
-  for it.
+  step returns its state where it read it); the compiled step runs it, and the model prices
+  it (``ShardingProblem.carried``; it had no term for it before).
 - ``reshard_merged_seconds``: the simulator charges resharding per edge; XLA reshards a value
   once per target layout, whatever the number of readers (``kiwi_jax.plan.attributed_comms``
   counts it so): the difference.
@@ -38,6 +38,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -164,8 +165,10 @@ def sweep(compiler: PlanCompiler, methods, budgets, time_limit: float,
 
 
 def agreement(rows: list[dict]) -> dict:
-    """Over the distinct compiled plans: Kendall's tau of predicted vs estimated step times,
-    the median and largest |relative step error|, and how many are within TOLERANCE."""
+    """Over the distinct compiled plans: Kendall's tau of predicted vs estimated step times
+    (None with fewer than two plans, or where one side gives every plan the same time: no
+    ranking to agree with), the median and largest |relative step error|, and how many are
+    within TOLERANCE."""
     from scipy.stats import kendalltau
 
     plans = list({r["fingerprint"]: r for r in rows if r["feasible"]}.values())
@@ -179,7 +182,8 @@ def agreement(rows: list[dict]) -> dict:
     if len(plans) >= 2:
         tau = kendalltau([r["predicted_step_seconds"] for r in plans],
                          [r["estimated_step_seconds"] for r in plans])
-        out["kendall_tau"], out["kendall_p"] = float(tau.statistic), float(tau.pvalue)
+        if not math.isnan(tau.statistic):
+            out["kendall_tau"], out["kendall_p"] = float(tau.statistic), float(tau.pvalue)
     return out
 
 

@@ -188,4 +188,8 @@ def test_cost_agreement_quick(results, capsys):
     errors = sorted(abs(r["step_error"]) for r in plans.values())
     assert stats["plans"] == len(plans) and stats["max_abs_step_error"] == errors[-1]
     assert errors[0] <= stats["median_abs_step_error"] <= errors[-1]
-    assert -1.0 <= stats["kendall_tau"] <= 1.0
+    if stats["kendall_tau"] is None:        # one side times every plan alike: no ranking
+        assert min(len({r[f"{side}_step_seconds"] for r in plans.values()})
+                   for side in ("predicted", "estimated")) == 1
+    else:
+        assert -1.0 <= stats["kendall_tau"] <= 1.0
