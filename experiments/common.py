@@ -232,14 +232,13 @@ class PlanCompiler:
         from kiwi_jax.cluster import Cluster, MeshSpec
         from kiwi_jax.frontend import trace
         from kiwi_jax.problem import build_problem
-        from kiwi_jax.step import carried_state
 
         self.traced = trace(train_step, *args)
         self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
-        self.state_out = carried_state(self.pure, jax.eval_shape(self.pure.fn, *self.pure.args))
+        self.state_out = self.traced.state_out
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster),
-                                   carried=carried_pairs(self.traced, self.state_out))
+                                   carried=carried_pairs(self.traced))
         size = spec.shape[0] * spec.shape[1]
         self.mesh = jax.make_mesh(spec.shape, ("data", "model"), devices=jax.devices()[:size],
                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)

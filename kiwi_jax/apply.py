@@ -31,7 +31,7 @@ from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import argument_paths, lower_to_hlo
 from kiwi_jax.interpret import Interpreter, inlined_call, is_unit, scan_body, tag_of, trace_flat
 from kiwi_jax.sharding import to_partition_spec
-from kiwi_jax.step import PureStep
+from kiwi_jax.step import PureStep, carried_state
 
 __all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint",
            "carried_pairs"]
@@ -55,16 +55,20 @@ class TracedStep:
     fingerprint: str
     """SHA-256 of the step's HLO without its metadata (source lines, op names): equal for the
     same computation on the same shapes."""
+    state_out: int | None
+    """Position of the updated train state among the outputs
+    (:func:`kiwi_jax.step.carried_state`; None: the step carries no state)."""
 
     def node_paths(self) -> dict[int, tuple[str, int]]:
         """Inverse of ``representative``."""
         return {node: key for key, node in self.representative.items()}
 
 
-def carried_pairs(traced: TracedStep, state_out: int | None) -> tuple[tuple[int, int], ...]:
-    """``(updated value, parameter)`` graph nodes of the train state the step returns at output
-    position ``state_out`` (None: the step carries no state): the k-th leaf of the returned
+def carried_pairs(traced: TracedStep) -> tuple[tuple[int, int], ...]:
+    """``(updated value, parameter)`` graph nodes of the train state the step returns (at
+    output ``traced.state_out``; none when it carries no state): the k-th leaf of the returned
     state is the next value of the k-th parameter (the state is the first argument)."""
+    state_out = traced.state_out
     if state_out is None:
         return ()
     graph, tree = traced.graph, traced.out_tree
@@ -132,7 +136,8 @@ def _hlo_dtype(aval) -> str:
 def trace_for_planning(pure: PureStep) -> TracedStep:
     """Trace a functionalized step and build the graph of its interpreted form."""
     closed = trace_flat(pure.fn, *pure.args)
-    out_tree = jax.tree.structure(jax.eval_shape(pure.fn, *pure.args))
+    outputs = jax.eval_shape(pure.fn, *pure.args)
+    out_tree = jax.tree.structure(outputs)
     interpreter = Interpreter(closed)
 
     def tagged(*args):
@@ -141,7 +146,7 @@ def trace_for_planning(pure: PureStep) -> TracedStep:
     text = lower_to_hlo(tagged, *pure.args)
     graph = graph_from_text(text, argument_paths(*pure.args))
     return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree,
-                      fingerprint(text))
+                      fingerprint(text), carried_state(pure, outputs))
 
 
 _METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")

@@ -1,6 +1,6 @@
 """Plans on disk, keyed by what they depend on: the step's HLO, the mesh, the budget, the cluster,
-the solver and the cost model's version. A missing, unreadable or mismatched entry is a miss (with a warning), never an
-error: the plan is then solved again and the entry rewritten."""
+the solver and the cost model's version. A missing, unreadable or mismatched entry is a miss
+(with a warning), never an error: the plan is then solved again and the entry rewritten."""
 
 from __future__ import annotations
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import time
 
-import jax
-
 from hlo_tools.graph import OpGraph
 from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.problem import ProblemBuild, build_problem
-from kiwi_jax.step import PureStep, carried_state, functionalize
+from kiwi_jax.step import PureStep, functionalize
 
-__all__ = ["trace_step", "trace", "problem_for_step", "state_pairs"]
+__all__ = ["trace_step", "trace", "problem_for_step"]
 
 
 def trace(train_step, *args) -> TracedStep:
@@ -22,13 +20,6 @@ def trace(train_step, *args) -> TracedStep:
     allocates nothing.
     """
     return trace_for_planning(functionalize(train_step, args))
-
-
-def state_pairs(traced: TracedStep) -> tuple[tuple[int, int], ...]:
-    """:func:`kiwi_jax.apply.carried_pairs` of the train state the traced step returns, found
-    by :func:`kiwi_jax.step.carried_state` (the step is traced once more, abstractly)."""
-    pure = traced.pure
-    return carried_pairs(traced, carried_state(pure, jax.eval_shape(pure.fn, *pure.args)))
 
 
 def trace_step(train_step, *args) -> tuple[PureStep, OpGraph]:
@@ -49,6 +40,6 @@ def problem_for_step(train_step, *args, mesh, cluster="v100-nvlink", merge=True,
     traced = trace(train_step, *args)
     lowered = time.perf_counter()
     build = build_problem(traced.graph, mesh, cluster, merge=merge, memory_model=memory_model,
-                          carried=state_pairs(traced))
+                          carried=carried_pairs(traced))
     done = time.perf_counter()
     return build, {"lower_seconds": lowered - start, "build_seconds": done - lowered}

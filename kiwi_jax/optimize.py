@@ -58,7 +58,7 @@ from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import Plan, plan_from_solution, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
-from kiwi_jax.step import PureStep, carried_state, functionalize, step_arguments
+from kiwi_jax.step import PureStep, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
 
@@ -249,10 +249,9 @@ class OptimizedStep:
                 f"{self.__name__} computes no gradient: kiwi_jax.optimize plans the forward, "
                 "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
                 "inside it); for a forward-only function use jax.jit")
-        state_out = carried_state(abstract, jax.eval_shape(abstract.fn, *abstract.args))
+        state_out = traced.state_out
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
-                              memory_model=options.memory_model,
-                              carried=carried_pairs(traced, state_out))
+                              memory_model=options.memory_model, carried=carried_pairs(traced))
         key = self._key(traced, build)
         receives = processes is not None and options.share_plan and not processes.is_planner
         recipes = parse_recipes(options.recipes)

@@ -360,7 +360,7 @@ def carried_comms(prepared: Prepared) -> list:
     updated state keeps the input's sharding so the next step reads it in place)."""
     graph, specs, mesh = prepared.traced.graph, prepared.plan.specs, prepared.build.mesh
     comms = []
-    for value, param in carried_pairs(prepared.traced, prepared.state_out):
+    for value, param in carried_pairs(prepared.traced):
         comms += reshard_comms(graph.nodes[value].nbytes, specs[value], specs[param], mesh)
     return comms
 
