@@ -129,26 +129,33 @@ class OpGraph:
         """Floating point operations of a node (:func:`op_flops`)."""
         node = self.nodes[node_id]
         return op_flops(node.opcode, node.shape, [self.nodes[o].shape for o in node.operands],
-                        node.int_list("lhs_contracting_dims"))
+                        node.int_list("lhs_contracting_dims"), node.attrs.get("dim_labels", ""))
 
 
 def op_flops(opcode: str, shape: Shape, operand_shapes: Sequence[Shape],
-             lhs_contracting_dims: Sequence[int] = ()) -> float:
+             lhs_contracting_dims: Sequence[int] = (), dim_labels: str = "") -> float:
     """Floating point operations of one HLO operation, as the cost model counts them.
 
-    ``dot``: 2 x output elements x contracted size; ``reduce`` and ``reduce-window``: one per
-    element of the first operand; ``scatter``: one per update element; data movement
-    (:data:`ZERO_FLOP_OPCODES`): none; every other operation: one per output element.
+    ``dot``: 2 x output elements x contracted size; ``convolution``: 2 x output elements x
+    the kernel's elements per output feature (its window times the input features of a
+    group); ``reduce`` and ``reduce-window``: one per element of the first operand;
+    ``scatter``: one per update element; data movement (:data:`ZERO_FLOP_OPCODES`): none;
+    every other operation: one per output element.
 
     Args:
       opcode: the HLO opcode.
       shape: the result shape.
       operand_shapes: the operands' shapes, in operand order.
       lhs_contracting_dims: a ``dot``'s ``lhs_contracting_dims``.
+      dim_labels: a ``convolution``'s ``dim_labels`` (``b01f_01io->b01f``).
     """
     if opcode == "dot":
         lhs = operand_shapes[0]
         return 2.0 * shape.size * math.prod(lhs.dims[d] for d in lhs_contracting_dims)
+    if opcode == "convolution":
+        kernel = operand_shapes[1]
+        output_feature = dim_labels.partition("->")[0].partition("_")[2].index("o")
+        return 2.0 * shape.size * kernel.size / kernel.dims[output_feature]
     if opcode in ZERO_FLOP_OPCODES:
         return 0.0
     if opcode in ("reduce", "reduce-window"):

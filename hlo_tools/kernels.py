@@ -70,7 +70,8 @@ def _flops(module: HloModule, computation: Computation) -> float:
         else:
             total += op_flops(instr.opcode, instr.shape,
                               [defined[o].shape for o in instr.operands],
-                              instr.int_list("lhs_contracting_dims"))
+                              instr.int_list("lhs_contracting_dims"),
+                              instr.attrs.get("dim_labels", ""))
     return total
 
 
@@ -114,7 +115,8 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
             flops = 0.0
         else:
             flops = op_flops(instr.opcode, instr.shape, operands,
-                             instr.int_list("lhs_contracting_dims"))
+                             instr.int_list("lhs_contracting_dims"),
+                             instr.attrs.get("dim_labels", ""))
         nbytes = instr.shape.nbytes + sum(s.nbytes for s in operands)
         out.append(Kernel(instr.name, instr.opcode, flops, nbytes, instr.op_name))
     return tuple(out)

@@ -38,7 +38,7 @@ __all__ = ["Strategy", "node_strategies", "combined_all_reduces", "latency_share
 
 FREE_OPCODES = frozenset({"parameter", "constant", "iota", "broadcast", "reshape", "bitcast"})
 """Operators that XLA turns into bitcasts or fuses into their users: no compute time."""
-ALL_REDUCING_OPCODES = frozenset({"dot", "reduce", "scatter"})
+ALL_REDUCING_OPCODES = frozenset({"dot", "convolution", "reduce", "scatter"})
 """Operators with strategies that all-reduce partial results (split contracting, reduced or
 scatter dimensions); a variadic reduce has none (:func:`may_all_reduce`)."""
 _SLICE = re.compile(r"\[(-?\d+):(-?\d+)(?::(-?\d+))?\]")
@@ -271,6 +271,71 @@ def _dot(ctx: _Ctx) -> list[Strategy]:
     return result
 
 
+def _labels(node: Node) -> tuple[str, str, str]:
+    """A convolution's ``dim_labels`` (``b01f_01io->b01f``): the labels of the input (``b``
+    batch, ``f`` feature, digits spatial), the kernel (``i``/``o`` input/output feature) and
+    the output, the character at position d naming dimension d."""
+    lhs_rhs, _, out = node.attrs.get("dim_labels", "").partition("->")
+    lhs, _, rhs = lhs_rhs.partition("_")
+    if not (lhs and rhs and out):
+        raise ValueError(f"expected a convolution with dim_labels such as 'b01f_01io->b01f', "
+                         f"found {node.attrs.get('dim_labels')!r} on {node.name}")
+    return lhs, rhs, out
+
+
+def _convolution(ctx: _Ctx) -> list[Strategy]:
+    """Each mesh axis splits the batch (input and output), the output feature (kernel and
+    output), the contracted input feature (input and kernel; partial outputs all-reduced) or
+    nothing, as a dot's would; spatial dimensions stay whole (a split one would need halo
+    exchanges). The kernel gradient is a convolution too, contracting the batch (its ``f``
+    label): split, it is data parallelism's all-reduce. Grouped convolutions split only the
+    batch (feature groups) or nothing (batch groups)."""
+    node, mesh = ctx.node, ctx.mesh
+    lhs, rhs = ctx.operand_shapes
+    lhs_labels, rhs_labels, out_labels = _labels(node)
+    roles = ["batch", "feature", "contracting"]
+    if int(node.attrs.get("batch_group_count", 1)) != 1:
+        roles = []
+    elif int(node.attrs.get("feature_group_count", 1)) != 1:
+        roles = ["batch"]
+    dims = {"batch": ((lhs_labels.index("b"), None), out_labels.index("b")),
+            "feature": ((None, rhs_labels.index("o")), out_labels.index("f")),
+            "contracting": ((lhs_labels.index("f"), rhs_labels.index("i")), None)}
+    axes = [a for a in range(2) if mesh.shape[a] > 1]
+    result, seen = [], set()
+    for assignment in itertools.product([None, *roles], repeat=len(axes)):
+        role = dict(zip(axes, assignment))
+        specs = [[()] * lhs.rank, [()] * rhs.rank, [()] * node.shape.rank]
+        for name, ((in_dim, kernel_dim), out_dim) in dims.items():
+            split = tuple(a for a in axes if role[a] == name)
+            for spec, d in zip(specs, (in_dim, kernel_dim, out_dim)):
+                if d is not None:
+                    spec[d] = split
+        lhs_spec, rhs_spec, out = map(tuple, specs)
+        if (out, lhs_spec, rhs_spec) in seen or not (
+                ctx.divides(node.shape.dims, out) and ctx.divides(lhs.dims, lhs_spec)
+                and ctx.divides(rhs.dims, rhs_spec)):
+            continue
+        seen.add((out, lhs_spec, rhs_spec))
+        partial = tuple(a for a in axes if role[a] == "contracting")
+        comms = [Comm("all-reduce", partial, local_bytes(node.nbytes, out, mesh))] \
+            if partial else []
+        split = mesh.axis_size(tuple(a for a in axes if role[a] is not None))
+        result.append(ctx.make(out, [lhs_spec, rhs_spec], comms, split))
+    return result
+
+
+def _window_dims(ctx: _Ctx) -> set[int]:
+    """Dimensions a ``window={size=.. stride=.. pad=..}`` attribute (reduce-window,
+    select-and-scatter) moves along: any but size 1, stride 1, no padding, no dilation."""
+    trivial = {"size": "1", "stride": "1", "pad": "0_0", "lhs_dilate": "1", "rhs_dilate": "1"}
+    fixed = set()
+    for field in ctx.node.attrs.get("window", "").strip("{} ").split():
+        key, _, values = field.partition("=")
+        fixed |= {d for d, v in enumerate(values.split("x")) if v != trivial.get(key)}
+    return fixed
+
+
 def _gather(ctx: _Ctx) -> list[Strategy]:
     node = ctx.node
     operand, indices = ctx.operand_shapes
@@ -349,7 +414,10 @@ def _scatter(ctx: _Ctx) -> list[Strategy]:
 _BUILDERS = {
     "dot": _dot, "reduce": _reduce, "broadcast": _broadcast, "transpose": _transpose,
     "reshape": _reshape, "bitcast": _reshape, "gather": _gather, "scatter": _scatter,
-    "parameter": _source, "constant": _source, "iota": _source,
+    "parameter": _source, "constant": _source, "iota": _source, "convolution": _convolution,
+    "reverse": lambda ctx: _windowed(ctx, set(ctx.node.int_list("dimensions"))),
+    **{op: (lambda ctx: _windowed(ctx, _window_dims(ctx)))
+       for op in ("reduce-window", "select-and-scatter")},
     "topk": lambda ctx: _windowed(ctx, {ctx.node.shape.rank - 1}),   # last dimension whole
     **{op: (lambda ctx: _windowed(ctx, _fixed_dims(ctx))) for op in
        ("slice", "concatenate", "pad", "dynamic-slice", "dynamic-update-slice")},

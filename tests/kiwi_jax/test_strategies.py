@@ -159,6 +159,46 @@ def test_argmax_and_top_k_keep_their_reduced_dimension_whole():
     assert build_problem(graph, MESH, CLUSTER).unsupported == {}
 
 
+def test_convolutions_split_like_dots_and_pooling_keeps_its_window_whole():
+    def loss(kernel, image):
+        y = jax.lax.conv_general_dilated(image, kernel, (2, 2), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+        return jnp.sum(y ** 2)
+
+    kernel = jax.ShapeDtypeStruct((3, 3, 8, 16), jnp.float32)
+    image = jax.ShapeDtypeStruct((8, 16, 16, 8), jnp.float32)
+    graph = lower_to_graph(jax.grad(loss), kernel, image)
+    forward, kernel_grad = [n for n in graph.nodes if n.opcode == "convolution"]
+    by_out = {}
+    for strategy in node_strategies(graph, forward, MESH, CLUSTER)[0]:
+        by_out.setdefault(strategy.out, []).append(strategy)
+    batch = by_out[((0, 1), (), (), ())]                   # data parallel: no collective
+    assert [(s.operands, s.comms) for s in batch] == [((((0, 1), (), (), ()), ((),) * 4), ())]
+    out_features = by_out[((), (), (), (0, 1))]            # the kernel's output features split
+    assert [s.operands for s in out_features] == [(((),) * 4, ((), (), (), (0, 1)))]
+    contracted = [s for s in by_out[((),) * 4] if s.comms]  # input features: partial sums
+    assert {s.operands[0][3]: (s.operands[1][2], s.comms) for s in contracted} == {
+        axes: (axes, (Comm("all-reduce", axes, 8 * 8 * 8 * 16 * 4),))
+        for axes in [(0,), (1,), (0, 1)]}
+    # The kernel gradient contracts the batch: split, it is data parallelism's all-reduce.
+    reduced = [s for s in node_strategies(graph, kernel_grad, MESH, CLUSTER)[0]
+               if s.operands[0][0] == (0, 1)]
+    assert any(s.out == ((),) * 4 and s.comms == (Comm("all-reduce", (0, 1), 3 * 3 * 8 * 16 * 4),)
+               for s in reduced)
+    # FLOPs as XLA counts them: 2 x output x kernel window x input features, per convolution.
+    compiled = jax.jit(jax.grad(loss)).lower(kernel, image).compile()
+    convolutions = graph.flops(forward.id) + graph.flops(kernel_grad.id)
+    assert convolutions == 2 * 2 * (8 * 8 * 8 * 16) * (3 * 3 * 8)
+    assert convolutions == pytest.approx(compiled.cost_analysis()["flops"], rel=0.01)
+    for node in graph.nodes:
+        if node.opcode in ("reduce-window", "select-and-scatter"):
+            strategies, supported = node_strategies(graph, node, MESH, CLUSTER)
+            assert supported and len(strategies) == 9       # batch and channels over 0, 1, both
+            assert all(not any(s.out[1:3]) and not s.comms for s in strategies)
+    assert build_problem(graph, MESH, CLUSTER).unsupported == {}
+
+
 def test_unknown_opcode_falls_back_to_replicated_with_a_warning(caplog):
     graph = lower_to_graph(lambda x: jnp.sort(x, axis=0) * 2,
                            jax.ShapeDtypeStruct((8, 8), jnp.float32))
