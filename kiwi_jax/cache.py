@@ -15,9 +15,10 @@ from kiwi_jax.plan import Plan
 
 __all__ = ["PlanCache", "default_cache_dir", "MODEL_VERSION"]
 
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 """The costs and memory plans are solved against; a change that moves plans bumps it, so a
-cached plan of an earlier model is solved again (2: the carried state's resharding priced)."""
+cached plan of an earlier model is solved again (2: the carried state's resharding priced; 3:
+the operand copies resharding makes held, convolutions sharded)."""
 
 
 def default_cache_dir() -> pathlib.Path:

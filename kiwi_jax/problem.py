@@ -16,7 +16,7 @@ from hlo_tools.graph import OpGraph
 from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.merge import merge_followers
-from kiwi_jax.sharding import Spec, comm_seconds, reshard_comms
+from kiwi_jax.sharding import Spec, comm_seconds, local_bytes, reshard_comms
 from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.problem import ShardingProblem
 from solvers.reuse import with_layer_ties
@@ -65,6 +65,31 @@ class _ReshardCache:
         if key not in self.matrices:
             self.matrices[key] = np.array([[self.cost(nbytes, s, d) for d in dsts] for s in srcs])
         return self.matrices[key]
+
+    def copies(self, shape, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...]) -> np.ndarray:
+        """Per-device bytes of the copies each resharding of a value of ``shape`` makes
+        (:func:`_copy_bytes`)."""
+        key = ("copies", shape.dims, shape.nbytes, srcs, dsts)
+        if key not in self.matrices:
+            self.matrices[key] = np.array([[self._copy_bytes(shape, s, d) for d in dsts]
+                                           for s in srcs], np.int64)
+        return self.matrices[key]
+
+    def _copy_bytes(self, shape, src: Spec, dst: Spec) -> int:
+        """The destination's shard where a collective makes it, nothing for a slice (fused
+        into the reader). Twice that for an all-gather of a dimension below the outermost
+        one that is split locally: a collective gathers whole outermost blocks, so XLA
+        gathers into a buffer whose outermost dimension is the gathered one and copies it
+        into the value's layout, and the two are alive together."""
+        comms = reshard_comms(shape.nbytes, src, dst, self.mesh)
+        if not comms:
+            return 0
+        nbytes = local_bytes(shape.nbytes, dst, self.mesh)
+        local = [size // self.mesh.axis_size(axes) for size, axes in zip(shape.dims, dst)]
+        kept = {a for axes in dst for a in axes}
+        gathered = [d for d, axes in enumerate(src) if any(a not in kept for a in axes)]
+        transposed = any(any(size > 1 for size in local[:d]) for d in gathered)
+        return 2 * nbytes if transposed else nbytes
 
 
 MEMORY_MODELS = ("auto", "operator", "fused")
@@ -119,6 +144,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[src].nbytes, tuple(s.out for s in strategies[src]),
                      tuple(s.operands[slot] for s in strategies[dst]))
         for src, dst, slot in edges)
+    gathered = _gathered(graph, edges, strategies, cache)
     carried = np.asarray(carried, np.int64).reshape(-1, 2)
     carried_resharding = tuple(
         cache.matrix(graph.nodes[value].nbytes, tuple(s.out for s in strategies[value]),
@@ -143,8 +169,23 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         peak_flops=cluster.device.flops, op_names=tuple(n.op_name for n in graph.nodes),
         uses=None if held is None else np.array(
             [(v, i) for i, values in enumerate(held) for v in values], np.int64).reshape(-1, 2),
-        carried=carried, carried_resharding=carried_resharding)
+        carried=carried, carried_resharding=carried_resharding, gathered=gathered)
     if merge:
         problem = merge_followers(problem)
     problem = with_layer_ties(problem)
     return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported)
+
+
+def _gathered(graph: OpGraph, edges: np.ndarray, strategies, cache: _ReshardCache) -> tuple:
+    """Per edge, the bytes of the operand copy its resharding makes
+    (:attr:`ShardingProblem.gathered`). An operator reading one value twice in the same spec
+    (``x * x``) reads one copy: the second edge makes none."""
+    out, seen = [], set()
+    for src, dst, slot in edges:
+        wanted = tuple(s.operands[slot] for s in strategies[dst])
+        copies = cache.copies(graph.nodes[src].shape, tuple(s.out for s in strategies[src]),
+                              wanted)
+        key = (int(src), int(dst), wanted)
+        out.append(copies if key not in seen else np.zeros_like(copies))
+        seen.add(key)
+    return tuple(out)

@@ -191,6 +191,7 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
                 terms.append((b.mem(i), i, int(min(p.live[i], n - 1))))
         for (t, i) in pres:
             terms.append((b.conditional(i, available(t, i)), t, t))
+        terms += b.gathered_terms()
         peak_var = b.limit_memory(terms, budget_bytes, minimize_peak)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,

@@ -17,9 +17,10 @@ Variables and rows:
 - Memory: every value's lifetime is a union of intervals whose bytes are ``mem_i(s)`` or, for
   the windows a keep decision opens (kept value between its last forward and first backward use;
   operand held until a recomputed reader runs: h_i of eq. 10-11), ``mem_i(s)`` times a 0/1
-  condition (big-M, exact on the <= side). ``U_k``, the bytes alive at the k-th time where some
-  lifetime ends (only there can the peak occur), follow the recurrence of eq. 3 and stay under
-  the budget (eq. 8).
+  condition (big-M, exact on the <= side). The operand copy an edge's resharding makes lives
+  in its reader's stage, its bytes in the same joint indicators as the edge's seconds. ``U_k``,
+  the bytes alive at the k-th time where some lifetime ends (only there can the peak occur),
+  follow the recurrence of eq. 3 and stay under the budget (eq. 8).
 - Eq. 9 (inputs of a recomputed node are kept): ``m_i + m_j >= 1`` on every edge i -> j between
   recomputable nodes (eq. 31 for binary m), except inside a layer: there a dropped value may be
   recomputed from other dropped values of the layer, as ``jax.checkpoint`` around a block does
@@ -150,6 +151,7 @@ class Builder:
         self.class_cache: dict = {}
         self.g_cache: dict = {}
         self._mem: list[Expr | None] = [None] * problem.num_nodes
+        self._pairs: list[Expr] | None = None
         k = problem.num_strategies
         leaders = [int(leader) for leader in problem.leaders if k[leader] > 1]
         twin = {leader: int(self.tie[leader]) for leader in leaders}
@@ -223,7 +225,7 @@ class Builder:
             ends = ends[~skip[ends]]
         first_k = np.searchsorted(ends, [a for _, a, _ in terms])
         last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
-        most = sum(float(m.max()) for m in self.p.memory) / self.units.bytes
+        most = sum(float(m.max()) for m in (*self.p.memory, *self.p.gathered)) / self.units.bytes
         u = model.add_vars(len(ends), lb=0.0, integer=False,
                            resolution=self.units.memory_resolution,
                            ub=most if minimize_peak else min(most, budget / self.units.bytes))
@@ -249,6 +251,12 @@ class Builder:
             model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
         return peak
 
+    def gathered_terms(self) -> list[tuple[Expr, int, int]]:
+        """Lifetime terms of the operand copies resharding makes: each alive in the stage of
+        its reader (the simulator's semantics)."""
+        return [(expr, int(dst), int(dst))
+                for (_, dst, _), expr in zip(self.p.edges, self.gathered_exprs())]
+
     def node_costs(self) -> list[Expr]:
         """Per node, the bracket of eq. 2: c_i + d_i of its strategy plus the resharding on its
         incoming edges."""
@@ -261,13 +269,28 @@ class Builder:
     def edge_exprs(self) -> list[Expr]:
         """Resharding seconds of every edge, then of every carried state value
         (:meth:`ShardingProblem.priced_pairs`), as an expression."""
+        return self._pair_exprs()[:len(self.p.priced_pairs())]
+
+    def gathered_exprs(self) -> list[Expr]:
+        """Per edge, the bytes of the operand copy its resharding makes
+        (:attr:`ShardingProblem.gathered`), as an expression; empty without them."""
+        return self._pair_exprs()[len(self.p.priced_pairs()):]
+
+    def _pair_exprs(self) -> list[Expr]:
+        """:meth:`edge_exprs` then :meth:`gathered_exprs`, built once: the matrices of a pair
+        of leaders share their joint class indicators."""
+        if self._pairs is not None:
+            return self._pairs
         p = self.p
-        priced = p.priced_pairs()
-        out: list[Expr | None] = [None] * len(priced)
+        matrices = [(int(src), int(dst), r / self.units.seconds)
+                    for src, dst, r in p.priced_pairs()]
+        matrices += [(int(src), int(dst), g / self.units.bytes)
+                     for (src, dst, _), g in zip(p.edges, p.gathered)]
+        out: list[Expr | None] = [None] * len(matrices)
         pairs: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
-        for e, (src, dst, resharding) in enumerate(priced):
+        for e, (src, dst, full) in enumerate(matrices):
             ls, ld = int(p.leader[src]), int(p.leader[dst])
-            matrix = resharding[np.ix_(p.follow[src], p.follow[dst])] / self.units.seconds
+            matrix = full[np.ix_(p.follow[src], p.follow[dst])]
             if not matrix.any():
                 out[e] = const(0.0)
             elif ls == ld:
@@ -290,6 +313,7 @@ class Builder:
                 block = m[np.ix_(first_a, first_b)].ravel()
                 nz = block != 0
                 out[e] = Expr(evars.ravel()[nz], block[nz])
+        self._pairs = out
         return out
 
     def _classes(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -475,4 +499,5 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
                           int(last[src]) + 1, int(late[dst])))
             continue
         terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(late[dst])))
+    terms += b.gathered_terms()
     return b.limit_memory(terms, budget, minimize_peak, skip)

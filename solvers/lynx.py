@@ -69,6 +69,8 @@ def fixed_strategy(problem: ShardingProblem, strategy) -> ShardingProblem:
         strategy_names=tuple((n[s],) for n, s in zip(problem.strategy_names, strategy)),
         resharding=tuple(r[[strategy[a]]][:, [strategy[b]]]
                          for r, (a, b, _slot) in zip(problem.resharding, problem.edges)),
+        gathered=tuple(g[[strategy[a]]][:, [strategy[b]]]
+                       for g, (a, b, _slot) in zip(problem.gathered, problem.edges)),
         carried_resharding=tuple(r[[strategy[v]]][:, [strategy[p]]]
                                  for r, (v, p) in zip(problem.carried_resharding,
                                                       problem.carried)),

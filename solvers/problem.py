@@ -92,6 +92,11 @@ class ShardingProblem:
     none (a step that carries no state, or a problem built without knowing it)."""
     carried_resharding: tuple[np.ndarray, ...] = ()
     """Per carried pair, seconds to reshard: [value strategy, parameter strategy]."""
+    gathered: tuple[np.ndarray, ...] = ()
+    """Per edge, per-device bytes of the operand copy its resharding makes: [source strategy,
+    destination strategy]. An operand all-gathered or exchanged (all-to-all) for its reader is
+    a new buffer, alive while the reader runs (:meth:`gathered_of`); a slice is fused into the
+    reader and holds nothing. Empty: no edge makes a copy (a problem built without them)."""
 
     def __post_init__(self):
         n = len(self.names)
@@ -119,6 +124,9 @@ class ShardingProblem:
                 raise ValueError(f"{field} has {len(getattr(self, field))} entries for {n} nodes")
         if len(self.edges) != len(self.resharding):
             raise ValueError(f"{len(self.edges)} edges but {len(self.resharding)} matrices")
+        if self.gathered and len(self.gathered) != len(self.edges):
+            raise ValueError(f"{len(self.edges)} edges but {len(self.gathered)} matrices of "
+                             "gathered bytes; expected one per edge, or none")
 
     @property
     def num_nodes(self) -> int:
@@ -287,6 +295,15 @@ class ShardingProblem:
             reshard[dst] += matrix[strategy[src], strategy[dst]]
         return compute, comm, reshard
 
+    def gathered_of(self, strategy) -> np.ndarray:
+        """Per node, the bytes of the operand copies its resharding makes under ``strategy``
+        (:attr:`gathered`), held while the node runs."""
+        strategy = np.asarray(strategy)
+        out = np.zeros(self.num_nodes, np.int64)
+        for (src, dst, _slot), matrix in zip(self.edges, self.gathered):
+            out[dst] += matrix[strategy[src], strategy[dst]]
+        return out
+
     def memory_of(self, strategy) -> np.ndarray:
         """Per-device output bytes per node under ``strategy``."""
         return np.array([self.memory[i][s] for i, s in enumerate(np.asarray(strategy))],
@@ -342,6 +359,7 @@ class ShardingProblem:
         arrays.update({f"resharding_{e}": r for e, r in enumerate(self.resharding)})
         arrays.update({f"carried_resharding_{c}": r
                        for c, r in enumerate(self.carried_resharding)})
+        arrays.update({f"gathered_{e}": g for e, g in enumerate(self.gathered)})
         np.savez_compressed(
             path, names=np.array(self.names), opcodes=np.array(self.opcodes), phase=self.phase,
             layer=self.layer, edges=self.edges, z=self.z, live=self.live,
@@ -380,4 +398,6 @@ class ShardingProblem:
                 uses=data["uses"] if "uses" in data else None,
                 ties=data["ties"] if "ties" in data else None, carried=carried,
                 carried_resharding=tuple(data[f"carried_resharding_{c}"]
-                                         for c in range(len(carried))))
+                                         for c in range(len(carried))),
+                gathered=tuple(data[f"gathered_{k}"] for k in range(e)
+                               if f"gathered_{k}" in data))

@@ -15,6 +15,9 @@ Semantics:
   (free after last use); inputs (phase ``param``) are alive throughout.
 - Step time = sum over nodes of (number of executions) x (c_i + d_i + resharding on the node's
   incoming edges) (KIWI eq. 1 and 2).
+- The operand copies the resharding of node t's operands makes (an all-gathered or exchanged
+  operand: ``ShardingProblem.gathered``) are alive in stage t, beside its operands and output;
+  those of a recomputation are not counted.
 - Peak = max over t of the bytes alive at t (all values alive in a stage count together).
 - With ``overlap=True`` (Lynx), recomputations in the stage of a node with communication
   (its own collectives or operand resharding) run beside that communication when they have
@@ -116,7 +119,7 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
         for c, until in served_until[i].items():
             delta[c] += memory[i]
             delta[min(until, n) + 1] -= memory[i]
-    timeline = np.cumsum(delta)[:n]
+    timeline = np.cumsum(delta)[:n] + problem.gathered_of(strategy)
     return SimResult(
         step_seconds=float(per_node @ executions) - hidden,
         compute_seconds=float(compute.sum()), comm_seconds=float(comm.sum()),
@@ -129,15 +132,19 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
 
 def live_bytes(problem: ShardingProblem, strategy, stage: int,
                recompute_at: dict[int, tuple[int, ...]] | None = None) -> np.ndarray:
-    """Per node, the bytes of its copies alive at ``stage`` under the simulator's semantics
-    (their sum is the memory timeline at ``stage``); ``recompute_at`` None: keep everything."""
+    """Per node, the bytes of its copies alive at ``stage`` under the simulator's semantics,
+    the node of ``stage`` holding its resharded operand copies too (their sum is the memory
+    timeline at ``stage``); ``recompute_at`` None: keep everything."""
     n = problem.num_nodes
+    strategy = np.asarray(strategy, dtype=np.int64)
     served_until = _lifetimes(problem, recompute_at or {}, problem.operands())
-    memory = problem.memory_of(np.asarray(strategy, dtype=np.int64))
+    memory = problem.memory_of(strategy)
     copies = np.array([1 if problem.phase[i] == Phase.PARAM else
                        sum(c <= stage <= min(until, n) for c, until in served_until[i].items())
                        for i in range(n)], np.int64)
-    return memory * copies
+    alive = memory * copies
+    alive[stage] += problem.gathered_of(strategy)[stage]
+    return alive
 
 
 def _lifetimes(problem: ShardingProblem, recompute_at, operands) -> list[dict[int, int]]:

@@ -1,5 +1,6 @@
 """Strategy enumeration, costs, resharding, merging and the problem object."""
 
+import dataclasses
 import json
 import logging
 
@@ -17,8 +18,11 @@ from kiwi_jax.problem import build_problem
 from kiwi_jax.sharding import (Comm, collective_seconds, comm_seconds, enumerate_specs,
                                reshard_comms)
 from kiwi_jax.strategies import combined_all_reduces, node_strategies, reshape_groups
+from solvers.joint import build_joint
+from solvers.lynx import fixed_strategy
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
+from solvers.simulator import live_bytes, simulate
 
 MESH = MeshSpec((2, 4))
 CLUSTER = Cluster.parse("v100-nvlink")
@@ -197,6 +201,39 @@ def test_convolutions_split_like_dots_and_pooling_keeps_its_window_whole():
             assert supported and len(strategies) == 9       # batch and channels over 0, 1, both
             assert all(not any(s.out[1:3]) and not s.comms for s in strategies)
     assert build_problem(graph, MESH, CLUSTER).unsupported == {}
+
+
+def test_resharded_operand_copies_are_held_while_their_reader_runs():
+    graph = lower_to_graph(lambda x, w: jnp.tanh(x @ w), jax.ShapeDtypeStruct((8, 64), jnp.float32),
+                           jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    build = build_problem(graph, MESH, CLUSTER, merge=False)
+    problem, strategies = build.problem, build.strategies
+    x = graph.parameters[0]
+    dot = next(n.id for n in graph.nodes if n.opcode == "dot")
+    edge = next(e for e, (src, dst, _) in enumerate(problem.edges) if (src, dst) == (x, dot))
+
+    def index(node, out=None, operands=None):
+        return next(k for k, s in enumerate(strategies[node])
+                    if (out is None or s.out == out) and (operands is None or s.operands == operands))
+
+    whole = index(dot, operands=(((), ()), ((), ())))
+    # Gathering the outer dimension fills the buffer in place; an inner one is gathered
+    # outermost first and copied into the value's layout, two buffers at once; a slice holds
+    # nothing (fused into the reader).
+    assert problem.gathered[edge][index(x, ((0, 1), ())), whole] == 8 * 64 * 4
+    assert problem.gathered[edge][index(x, ((), (0, 1))), whole] == 2 * 8 * 64 * 4
+    assert problem.gathered[edge][index(x, ((), ())), index(dot, operands=(((0,), ()), ((), ())))] == 0
+    strategy = np.zeros(problem.num_nodes, np.int64)
+    strategy[x], strategy[dot] = index(x, ((), (0, 1))), whole
+    held = simulate(problem, strategy)
+    without = simulate(dataclasses.replace(problem, gathered=()), strategy)
+    assert held.memory_timeline[dot] - without.memory_timeline[dot] == 2 * 8 * 64 * 4
+    assert held.peak_time == dot and live_bytes(problem, strategy, dot).sum() == held.peak_bytes
+    # The program counts the copy as the simulator does.
+    joint = build_joint(fixed_strategy(problem, strategy), None,
+                        fixed_keep=np.ones(problem.num_nodes, bool), minimize_peak=True)
+    result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
+    assert joint.claimed_peak(result.x) == held.peak_bytes
 
 
 def test_unknown_opcode_falls_back_to_replicated_with_a_warning(caplog):
