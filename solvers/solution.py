@@ -65,7 +65,9 @@ class Solution:
     """Per-device peak of the plan, by the simulator."""
     claimed_peak_bytes: int | None = None
     """The peak the program itself claims (its largest U_k); None when it had no memory
-    rows."""
+    rows. Below :attr:`peak_bytes` where the program left out rows (a tied program's inner
+    repeats) or the resharded operand copies (``build_joint(copies=False)``) and the plan
+    fit without them."""
     hidden_under: dict[int, int] | None = None
     """Lynx plans: per recomputation hidden under a collective, the node whose collective hides
     it (its window); recomputations not listed run on demand."""
