@@ -68,7 +68,7 @@ class _ReshardCache:
 
     def copies(self, shape, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...]) -> np.ndarray:
         """Per-device bytes of the copies each resharding of a value of ``shape`` makes
-        (:func:`_copy_bytes`)."""
+        (:meth:`_copy_bytes`)."""
         key = ("copies", shape.dims, shape.nbytes, srcs, dsts)
         if key not in self.matrices:
             self.matrices[key] = np.array([[self._copy_bytes(shape, s, d) for d in dsts]

@@ -245,7 +245,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         peak = sim.peak_bytes
         if budget_bytes is None or peak <= budget_bytes:
             break
-        if not copies and len(problem.gathered):
+        if not copies and problem.gathered_of(strategy).any():
             log.info("%s: plan peaks at %d bytes with its resharded operand copies, over the "
                      "budget of %d; solving again with them counted", solver, peak, budget_bytes)
             copies = True
