@@ -236,7 +236,6 @@ class PlanCompiler:
         self.traced = trace(train_step, *args)
         self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
-        self.state_out = self.traced.state_out
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster),
                                    carried=carried_pairs(self.traced))
         size = spec.shape[0] * spec.shape[1]
@@ -251,8 +250,7 @@ class PlanCompiler:
 
         plan = plan_from_solution(self.build, solution, budget)
         start = time.perf_counter()
-        applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure,
-                               self.state_out)
+        applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
         peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
                 "compile_seconds": round(time.perf_counter() - start, 2)}

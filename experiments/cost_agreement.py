@@ -76,8 +76,7 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     """Compile ``plan`` and set what the model predicts beside the compiled step."""
     build = compiler.build
     start = time.perf_counter()
-    applied = compile_plan(compiler.traced, build, plan, compiler.mesh, compiler.pure,
-                           compiler.state_out)
+    applied = compile_plan(compiler.traced, build, plan, compiler.mesh, compiler.pure)
     compile_seconds = time.perf_counter() - start
     prepared = Prepared(compiler.traced, build, plan, applied, 0.0, compile_seconds, False)
     cost = compiled_cost(applied.compiled, compiler.mesh, build.cluster)

@@ -29,7 +29,7 @@ from hlo_tools.layers import find_layers, path_components
 from solvers.phase import Phase
 
 __all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text",
-           "op_flops", "ZERO_FLOP_OPCODES"]
+           "op_flops", "conv_labels", "ZERO_FLOP_OPCODES"]
 
 UNSUPPORTED_CONTROL_FLOW = frozenset({"while", "conditional", "async-start", "send", "recv"})
 _SCANS = ("kiwi-jax plans scans (lax.scan, nnx.scan, nn.scan, fori_loop with static bounds) by "
@@ -154,8 +154,7 @@ def op_flops(opcode: str, shape: Shape, operand_shapes: Sequence[Shape],
         return 2.0 * shape.size * math.prod(lhs.dims[d] for d in lhs_contracting_dims)
     if opcode == "convolution":
         kernel = operand_shapes[1]
-        output_feature = dim_labels.partition("->")[0].partition("_")[2].index("o")
-        return 2.0 * shape.size * kernel.size / kernel.dims[output_feature]
+        return 2.0 * shape.size * kernel.size / kernel.dims[conv_labels(dim_labels)[1].index("o")]
     if opcode in ZERO_FLOP_OPCODES:
         return 0.0
     if opcode in ("reduce", "reduce-window"):
@@ -163,6 +162,22 @@ def op_flops(opcode: str, shape: Shape, operand_shapes: Sequence[Shape],
     if opcode == "scatter":
         return float(operand_shapes[-1].size)
     return float(shape.size)
+
+
+def conv_labels(dim_labels: str) -> tuple[str, str, str]:
+    """A convolution's ``dim_labels`` (``b01f_01io->b01f``) split into the labels of the input
+    (``b`` batch, ``f`` feature, digits spatial), the kernel (``i``/``o`` input/output
+    feature) and the output, the character at position d naming dimension d.
+
+    Raises:
+      HloParseError: ``dim_labels`` is not of that form.
+    """
+    lhs_rhs, _, out = dim_labels.partition("->")
+    lhs, _, rhs = lhs_rhs.partition("_")
+    if not (lhs and rhs and out):
+        raise HloParseError(f"expected a convolution's dim_labels such as 'b01f_01io->b01f', "
+                            f"found {dim_labels!r}")
+    return lhs, rhs, out
 
 
 class _Builder:

@@ -57,14 +57,13 @@ class CompiledPlan:
 
 
 def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract: PureStep,
-                 state_out: int | None = None, donate: bool = True,
-                 overlap: bool = True) -> CompiledPlan:
+                 donate: bool = True, overlap: bool = True) -> CompiledPlan:
     """Apply ``plan`` (solved on ``build``, whose strategies say in which spec each operator
     reads its operands) to the traced step and compile it for ``abstract``'s argument shapes.
+    The updated state (``traced.state_out``) gets the input state's layout and, with
+    ``donate``, reuses its buffers.
 
     Args:
-      state_out: position of the updated state among the outputs (see carried_state): it gets
-        the input state's layout and, with ``donate``, reuses its buffers.
       overlap: place the recomputations a Lynx plan hides under collectives beside them.
     """
     fn, in_shardings, out_shardings = applied_function(
@@ -72,9 +71,10 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
         beside=plan.hidden_under if overlap else None,
         chains=plan.solver not in solvers.LYNX_SOLVERS,
         operand_specs=operand_specs_of(build.strategies, plan.strategy))
-    jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, state_out, donate)
+    jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, traced.state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
-    return CompiledPlan(tuple(in_shardings), tuple(out_shardings), state_out, jitted, compiled)
+    return CompiledPlan(tuple(in_shardings), tuple(out_shardings), traced.state_out, jitted,
+                        compiled)
 
 
 def jit_step(fn, in_shardings, out_shardings, state_out: int | None, donate: bool = True):

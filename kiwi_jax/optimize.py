@@ -249,7 +249,6 @@ class OptimizedStep:
                 f"{self.__name__} computes no gradient: kiwi_jax.optimize plans the forward, "
                 "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
                 "inside it); for a forward-only function use jax.jit")
-        state_out = traced.state_out
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
                               memory_model=options.memory_model, carried=carried_pairs(traced))
         key = self._key(traced, build)
@@ -266,11 +265,11 @@ class OptimizedStep:
             if plan is None:
                 return None, key
             plan_seconds, start = time.perf_counter() - start, time.perf_counter()
-            applied = self._apply(traced, build, plan, abstract, state_out)
+            applied = self._apply(traced, build, plan, abstract)
         else:
             try:
                 plan, applied, cached, plan_seconds, start = self._planned(
-                    traced, build, abstract, state_out, start)
+                    traced, build, abstract, start)
                 infeasible = None
             except solvers.InfeasibleBudgetError as error:
                 if not recipes:
@@ -321,7 +320,7 @@ class OptimizedStep:
                      len(rows), choice.compile_seconds)
         return choice, steps.get(choice.winner) if choice.winner != KIWI else None
 
-    def _planned(self, traced, build, abstract, state_out, start):
+    def _planned(self, traced, build, abstract, start):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
         with the planning and compiling times' split."""
         options = self.options
@@ -334,9 +333,9 @@ class OptimizedStep:
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if cached or not options.fit_compiles:
-            applied = self._apply(traced, build, plan, abstract, state_out)
+            applied = self._apply(traced, build, plan, abstract)
         else:
-            plan, applied = self._fit(traced, build, plan, infeasible, abstract, state_out)
+            plan, applied = self._fit(traced, build, plan, infeasible, abstract)
         if not cached:
             self._store(traced, build, plan)
         return plan, applied, cached, plan_seconds, start
@@ -355,15 +354,14 @@ class OptimizedStep:
         self._store(traced, build, plan)
         return plan
 
-    def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan, abstract: PureStep,
-               state_out: int | None) -> CompiledPlan:
-        """The plan applied and compiled; ``state_out``: position of the updated state among
-        the outputs (see carried_state)."""
-        return compile_plan(traced, build, plan, self.options.mesh, abstract, state_out,
+    def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
+               abstract: PureStep) -> CompiledPlan:
+        """The plan applied and compiled."""
+        return compile_plan(traced, build, plan, self.options.mesh, abstract,
                             self.options.donate, self.options.overlap)
 
     def _fit(self, traced, build, first: Plan | None,
-             infeasible: solvers.InfeasibleBudgetError | None, abstract, state_out
+             infeasible: solvers.InfeasibleBudgetError | None, abstract
              ) -> tuple[Plan, CompiledPlan]:
         """The compiler is the judge: search the solver's budget against the compiled step
         (:func:`kiwi_jax.fit.fit_budget`, at most ``fit_compiles`` compiles) and keep the
@@ -391,7 +389,7 @@ class OptimizedStep:
                 return None
 
         def compile_(plan: Plan) -> int:
-            applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, state_out)
+            applied[plan.fingerprint] = self._apply(traced, build, plan, abstract)
             return applied[plan.fingerprint].memory.peak_bytes
 
         floor = None if first is not None else infeasible.min_feasible_bytes \

@@ -51,13 +51,21 @@ class _ReshardCache:
     def __init__(self, mesh: MeshSpec, cluster: Cluster):
         self.mesh, self.cluster = mesh, cluster
         self.pair: dict = {}
+        self.collectives: dict = {}
         self.matrices: dict = {}
+
+    def comms(self, nbytes: int, src: Spec, dst: Spec) -> tuple:
+        """:func:`kiwi_jax.sharding.reshard_comms`, memoised (seconds and copies read it)."""
+        key = (nbytes, src, dst)
+        if key not in self.collectives:
+            self.collectives[key] = reshard_comms(nbytes, src, dst, self.mesh)
+        return self.collectives[key]
 
     def cost(self, nbytes: int, src: Spec, dst: Spec) -> float:
         key = (nbytes, src, dst)
         if key not in self.pair:
             self.pair[key] = sum(comm_seconds(c, self.mesh, self.cluster)
-                                 for c in reshard_comms(nbytes, src, dst, self.mesh))
+                                 for c in self.comms(nbytes, src, dst))
         return self.pair[key]
 
     def matrix(self, nbytes: int, srcs: tuple[Spec, ...], dsts: tuple[Spec, ...]) -> np.ndarray:
@@ -81,8 +89,7 @@ class _ReshardCache:
         one that is split locally: a collective gathers whole outermost blocks, so XLA
         gathers into a buffer whose outermost dimension is the gathered one and copies it
         into the value's layout, and the two are alive together."""
-        comms = reshard_comms(shape.nbytes, src, dst, self.mesh)
-        if not comms:
+        if not self.comms(shape.nbytes, src, dst):
             return 0
         nbytes = local_bytes(shape.nbytes, dst, self.mesh)
         local = [size // self.mesh.axis_size(axes) for size, axes in zip(shape.dims, dst)]

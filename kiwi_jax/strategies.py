@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from hlo_tools.graph import Node, OpGraph
+from hlo_tools.graph import Node, OpGraph, conv_labels
 from hlo_tools.liveness import ELEMENTWISE
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import (Comm, Spec, comm_seconds, enumerate_specs, local_bytes,
@@ -271,18 +271,6 @@ def _dot(ctx: _Ctx) -> list[Strategy]:
     return result
 
 
-def _labels(node: Node) -> tuple[str, str, str]:
-    """A convolution's ``dim_labels`` (``b01f_01io->b01f``): the labels of the input (``b``
-    batch, ``f`` feature, digits spatial), the kernel (``i``/``o`` input/output feature) and
-    the output, the character at position d naming dimension d."""
-    lhs_rhs, _, out = node.attrs.get("dim_labels", "").partition("->")
-    lhs, _, rhs = lhs_rhs.partition("_")
-    if not (lhs and rhs and out):
-        raise ValueError(f"expected a convolution with dim_labels such as 'b01f_01io->b01f', "
-                         f"found {node.attrs.get('dim_labels')!r} on {node.name}")
-    return lhs, rhs, out
-
-
 def _convolution(ctx: _Ctx) -> list[Strategy]:
     """Each mesh axis splits the batch (input and output), the output feature (kernel and
     output), the contracted input feature (input and kernel; partial outputs all-reduced) or
@@ -292,7 +280,7 @@ def _convolution(ctx: _Ctx) -> list[Strategy]:
     batch (feature groups) or nothing (batch groups)."""
     node, mesh = ctx.node, ctx.mesh
     lhs, rhs = ctx.operand_shapes
-    lhs_labels, rhs_labels, out_labels = _labels(node)
+    lhs_labels, rhs_labels, out_labels = conv_labels(node.attrs.get("dim_labels", ""))
     roles = ["batch", "feature", "contracting"]
     if int(node.attrs.get("batch_group_count", 1)) != 1:
         roles = []
