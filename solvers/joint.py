@@ -140,8 +140,11 @@ class JointModel:
 class Builder:
     """State shared by the parts of the formulation."""
 
-    def __init__(self, problem: ShardingProblem, tie: np.ndarray | None):
+    def __init__(self, problem: ShardingProblem, tie: np.ndarray | None, copies: bool = True):
         self.p = problem
+        # count the operand copies resharding makes (their matrices then refine the joint
+        # class indicators of a pair of leaders, which the resharding seconds share)
+        self.copies = copies
         self.model = Model()
         self.units = Units.for_problem(problem)
         self.u_vars = np.zeros(0, np.int64)
@@ -273,7 +276,8 @@ class Builder:
 
     def gathered_exprs(self) -> list[Expr]:
         """Per edge, the bytes of the operand copy its resharding makes
-        (:attr:`ShardingProblem.gathered`), as an expression; empty without them."""
+        (:attr:`ShardingProblem.gathered`), as an expression; empty without them or when the
+        builder does not count them."""
         return self._pair_exprs()[len(self.p.priced_pairs()):]
 
     def _pair_exprs(self) -> list[Expr]:
@@ -284,8 +288,9 @@ class Builder:
         p = self.p
         matrices = [(int(src), int(dst), r / self.units.seconds)
                     for src, dst, r in p.priced_pairs()]
-        matrices += [(int(src), int(dst), g / self.units.bytes)
-                     for (src, dst, _), g in zip(p.edges, p.gathered)]
+        if self.copies:
+            matrices += [(int(src), int(dst), g / self.units.bytes)
+                         for (src, dst, _), g in zip(p.edges, p.gathered)]
         out: list[Expr | None] = [None] * len(matrices)
         pairs: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
         for e, (src, dst, full) in enumerate(matrices):
@@ -389,7 +394,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         the 4-layer GPT at 80% on 2x4, 8 s against 12-14 s to the same plan).
     """
     start = time.perf_counter()
-    p, b = problem, Builder(problem, tie)
+    p, b = problem, Builder(problem, tie, copies)
     model, n = b.model, problem.num_nodes
     cost = b.node_costs()
 
@@ -427,7 +432,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     peak_var = None
     if budget_bytes is not None or minimize_peak:
         peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak,
-                                skip_times, copies)
+                                skip_times)
     model.minimize(var(peak_var) if minimize_peak else total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
                       b.u_vars)
@@ -454,7 +459,7 @@ def _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable) -> None:
 
 
 def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
-                 skip, copies: bool) -> int | None:
+                 skip) -> int | None:
     """Lifetime terms of every value under KIWI's semantics, limited by the budget.
 
     A dropped value is recomputed at a stage its keep flags and those of its layer decide
@@ -503,6 +508,5 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
                           int(last[src]) + 1, int(late[dst])))
             continue
         terms.append((b.conditional(src, dropped), int(last[src]) + 1, int(late[dst])))
-    if copies:
-        terms += b.gathered_terms()
+    terms += b.gathered_terms()
     return b.limit_memory(terms, budget, minimize_peak, skip)
