@@ -70,6 +70,18 @@ def test_reuse_is_a_restriction_of_the_full_program(gpt3):
         assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6)
 
 
+def test_the_reference_peak_counts_only_a_finished_peak_solve(gpt3, monkeypatch):
+    """The 100% of percentage budgets does not depend on how far an unfinished peak-minimising
+    solve got: without its optimum, the reference is the fastest plan as solved."""
+    finished = solvers.reference_plan(gpt3)
+    fastest = SOLVE_MODULE.solve_milp(gpt3, None, solvers.SolverOptions(
+        solver="alpa", mip_gap=SOLVE_MODULE.REFERENCE_GAP, reuse_layers=True))
+    monkeypatch.setattr(SOLVE_MODULE, "REFERENCE_PEAK_SHARE", 0.0)
+    unfinished = solvers.reference_plan(gpt3)
+    assert unfinished.objective == pytest.approx(finished.objective, rel=1e-9)
+    assert unfinished.peak_bytes == fastest.peak_bytes > finished.peak_bytes
+
+
 def test_two_layer_mlp_on_a_1x2_mesh():
     p = _problem("mlp", "1x2", layers=2, batch=256, width=128, in_dim=128, out_dim=128)
     reference = solvers.reference_plan(p)
