@@ -121,7 +121,7 @@ def _cmd_problem(args) -> dict:
 def _cmd_plan(args) -> dict:
     import solvers
     from kiwi_jax.frontend import problem_for_step
-    from kiwi_jax.plan import resolve_budget, shared_time_limit, solve_plan
+    from kiwi_jax.plan import resolve_budget, solve_plan
 
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
@@ -130,9 +130,7 @@ def _cmd_plan(args) -> dict:
     problem = build.problem
     options = {"backend": args.backend, "time_limit": args.time_limit, "mip_gap": args.gap,
                "seed": args.seed, "threads": args.threads, "reuse_layers": args.reuse_layers}
-    start = time.perf_counter()
     budget = resolve_budget(args.budget, problem, **options)
-    time_limit = shared_time_limit(args.time_limit, time.perf_counter() - start)
     out = {"solver": args.solver, "backend": args.backend, "model": args.model,
            "mesh": args.mesh, "cluster": build.cluster.name, "budget_bytes": budget,
            "reuse_layers": args.reuse_layers, "operators": problem.num_nodes,
@@ -140,7 +138,7 @@ def _cmd_plan(args) -> dict:
            **{k: round(v, 3) for k, v in timings.items()}}
     start = time.perf_counter()
     try:
-        plan = solve_plan(build, budget, args.solver, **options | {"time_limit": time_limit})
+        plan = solve_plan(build, budget, args.solver, **options)
     except solvers.InfeasibleBudgetError as err:
         print(f"kiwi-jax plan: {err}", file=sys.stderr)
         out.update(status="infeasible", feasible=False,

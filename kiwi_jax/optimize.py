@@ -56,8 +56,7 @@ from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
-from kiwi_jax.plan import (Plan, plan_from_solution, resolve_budget, shared_time_limit,
-                           solve_plan)
+from kiwi_jax.plan import Plan, plan_from_solution, resolve_budget, solve_plan
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
 from kiwi_jax.step import PureStep, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
@@ -89,9 +88,7 @@ class Options:
     backend: str = SOLVER_DEFAULTS.backend
     """``highs`` (embedded), ``cpsat`` or ``gurobi``."""
     time_limit: float = SOLVER_DEFAULTS.time_limit
-    """Seconds for the solver; the best plan found by then is used (its gap is logged). A
-    percentage budget's reference plan and the first solve share it (the solve gets what the
-    reference left, at least half); each solve of the budget search has it whole."""
+    """Seconds for the solver; the best plan found by then is used (its gap is logged)."""
     mip_gap: float = SOLVER_DEFAULTS.mip_gap
     """Relative optimality gap at which the solver stops."""
     reuse_layers: bool = SOLVER_DEFAULTS.reuse_layers
@@ -467,11 +464,8 @@ class OptimizedStep:
         if plan is not None:
             return plan, True
         options = self.options
-        start = time.perf_counter()
         budget = resolve_budget(options.memory_budget, build.problem, **options.solver_options())
-        left = shared_time_limit(options.time_limit, time.perf_counter() - start)
-        return solve_plan(build, budget, options.solver,
-                          **options.solver_options() | {"time_limit": left}), False
+        return solve_plan(build, budget, options.solver, **options.solver_options()), False
 
     def _store(self, traced: TracedStep, build: ProblemBuild, plan: Plan) -> None:
         cache, key = self._cache(traced, build)

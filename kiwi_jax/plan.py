@@ -24,8 +24,8 @@ from kiwi_jax.sharding import Comm, reshard_comms
 import solvers
 from solvers.simulator import SimResult, reduced_schedule, simulate
 
-__all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "shared_time_limit",
-           "predicted_comms", "attributed_comms", "by_kind"]
+__all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "predicted_comms",
+           "attributed_comms", "by_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -237,13 +237,6 @@ def resolve_budget(budget, problem, **options) -> int:
                                  "reuse_layers")})
         return int(fraction * reference.peak_bytes)
     return parse_bytes(budget)
-
-
-def shared_time_limit(time_limit: float, reference_seconds: float) -> float:
-    """The first solve's time limit after a percentage budget's reference plan took
-    ``reference_seconds``: the two share ``time_limit`` (the solve gets what the reference left,
-    at least half of it)."""
-    return max(time_limit - reference_seconds, time_limit / 2)
 
 
 def attributed_comms(build: ProblemBuild, strategy, keep=None) -> list[tuple[int, Comm]]:
