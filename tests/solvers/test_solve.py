@@ -100,6 +100,31 @@ def test_resharded_operand_copies_count_against_the_budget(solver, tmp_path, cap
         dataclasses.replace(p, gathered=p.gathered * 2)
 
 
+def test_a_relaxed_solve_without_a_plan_leaves_the_rest_of_the_time_to_the_copies(
+        monkeypatch, caplog):
+    # Without a warm start, the program without the copies has a share of the time; when it
+    # ends there without a plan, the program with them is solved in the rest.
+    p = make_problem([Phase.PARAM, Phase.FORWARD], [(0, 1)], [[0.0], [2.0, 1.0]],
+                     [[8], [8, 8]], outputs=(1,), resharding=[[[0.0, 0.5]]])
+    p = dataclasses.replace(p, gathered=(np.array([[0, 100]]),))
+    limits, real = [], Model.solve
+
+    def first_without_a_plan(self, backend, time_limit, **kwargs):
+        limits.append(time_limit)
+        if len(limits) == 1:
+            return MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"),
+                              time_limit)
+        return real(self, backend, time_limit=time_limit, **kwargs)
+
+    monkeypatch.setattr(Model, "solve", first_without_a_plan)
+    with caplog.at_level(logging.INFO, logger="solvers.solve"):
+        plan = solve(p, 50, solver="kiwi", time_limit=100, warm_start=None)
+    assert plan.strategy.tolist() == [0, 0] and plan.status == Status.OPTIMAL
+    share = sys.modules["solvers.solve"].RELAXED_SHARE
+    assert limits[0] <= 100 * share + 1e-6 < 90 < limits[1]
+    assert "no plan without the resharded operand copies" in caplog.text
+
+
 def test_memory_budget_moves_to_the_smaller_strategy():
     # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
     p = make_problem([Phase.FORWARD], [], [[1.0, 3.0]], [[100, 10]])
