@@ -40,7 +40,8 @@ import numpy as np
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["SimResult", "simulate", "reduced_schedule", "overlapped_recomputations"]
+__all__ = ["SimResult", "simulate", "reduced_schedule", "overlapped_recomputations",
+           "buffers"]
 
 
 
@@ -145,6 +146,24 @@ def live_bytes(problem: ShardingProblem, strategy, stage: int,
     alive = memory * copies
     alive[stage] += problem.gathered_of(strategy)[stage]
     return alive
+
+
+def buffers(problem: ShardingProblem, strategy,
+            recompute_at: dict[int, tuple[int, ...]] | None = None) -> list[tuple[int, int, int]]:
+    """The plan's values as buffers, ``(bytes, first stage, last stage)``: every copy of every
+    non-input node (its own and each recomputation, alive from its creation to the last use it
+    serves; a step output to stage ``n``) and the resharded operand copies of each stage's node.
+    The inputs (phase ``param``) are left out: they are the step's arguments, alive throughout.
+    Their sum at a stage, plus the inputs, is the memory timeline there."""
+    n = problem.num_nodes
+    strategy = np.asarray(strategy, dtype=np.int64)
+    served_until = _lifetimes(problem, recompute_at or {}, problem.operands())
+    memory = problem.memory_of(strategy)
+    out = [(int(memory[i]), c, min(until, n))
+           for i in range(n) if problem.phase[i] != Phase.PARAM and memory[i]
+           for c, until in served_until[i].items()]
+    gathered = problem.gathered_of(strategy)
+    return out + [(int(gathered[t]), int(t), int(t)) for t in np.flatnonzero(gathered)]
 
 
 def _lifetimes(problem: ShardingProblem, recompute_at, operands) -> list[dict[int, int]]:

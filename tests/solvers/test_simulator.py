@@ -5,7 +5,7 @@ import pytest
 
 from solvers import reduced_schedule, simulate
 from solvers.phase import Phase
-from solvers.simulator import live_bytes
+from solvers.simulator import buffers, live_bytes
 from solver_graphs import chain_problem, random_problem
 
 
@@ -53,6 +53,22 @@ def test_live_bytes_name_what_the_timeline_holds():
         for stage in range(q.num_nodes):
             assert live_bytes(q, np.zeros(q.num_nodes, int), stage, plan).sum() == \
                 sim.memory_timeline[stage]
+
+
+def test_buffers_sum_to_the_timeline_beside_the_inputs():
+    p = chain_problem()
+    strategy = np.zeros(p.num_nodes, int)
+    held = buffers(p, strategy, {1: (5,), 2: (5,)})
+    assert (100, 1, 2) in held and (100, 5, 6) in held       # a, then a as recomputed
+    for seed in range(5):
+        q = random_problem(seed, layers=3)
+        plan = reduced_schedule(q, np.arange(q.num_nodes) % 3 != 0)
+        zero = np.zeros(q.num_nodes, int)
+        timeline = simulate(q, zero, recompute_at=plan).memory_timeline
+        inputs = q.memory_of(zero)[q.phase == Phase.PARAM].sum()
+        for stage in range(q.num_nodes):
+            assert inputs + sum(b for b, first, last in buffers(q, zero, plan)
+                                if first <= stage <= last) == timeline[stage]
 
 
 def test_recomputation_must_come_after_the_value():
