@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments import (bandwidth_sweep, cost_agreement, lynx_pipeline, mesh_sweep,
+from experiments import (bandwidth_sweep, cost_agreement, heap_gap, lynx_pipeline, mesh_sweep,
                          optimality, remat_baselines, report, solver_scaling, vs_recipes)
 from experiments.common import SWEEP_METHODS
 
@@ -193,3 +193,13 @@ def test_cost_agreement_quick(results, capsys):
                    for side in ("predicted", "estimated")) == 1
     else:
         assert -1.0 <= stats["kendall_tau"] <= 1.0
+
+
+def test_the_best_fit_heap_reuses_what_a_freed_buffer_leaves():
+    # a (100 B) lives in stages 0-5; b (60 B) 0-2 and c (50 B) 3-5 share the place above a.
+    assert heap_gap.best_fit_heap([(100, 0, 5), (60, 0, 2), (50, 3, 5)], alignment=1) == 160
+    # d (50 B, 3-4) beside c: larger first, d takes b's place and c goes on top.
+    held = [(100, 0, 5), (60, 0, 2), (40, 3, 5), (50, 3, 4)]
+    assert heap_gap.best_fit_heap(held, alignment=1) == 100 + 50 + 40
+    assert heap_gap.best_fit_heap([(100, 0, 1), (100, 2, 3)], alignment=1) == 100
+    assert heap_gap.best_fit_heap([(100, 0, 1), (1, 1, 1)], alignment=64) == 128 + 64
