@@ -51,10 +51,11 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
     for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
-    # The budget search runs on 2x4; on the other meshes the solved plan runs as compiled: its
-    # numerics and collectives are what is tested there, and the search's compiles are the
-    # slowest part of the suite.
-    search = shape == (2, 4)
+    # The budget search runs on the MLPs on 2x4; elsewhere the solved plan runs as compiled: its
+    # numerics and collectives are what is tested there. On the 1-layer GPT and encoder the
+    # search takes 4 compiles and solves (224 s and 180 s here, the two slowest tests of the
+    # suite): their fit is measured by experiments.zoo_study and experiments.remat_baselines.
+    search = shape == (2, 4) and name in ("mlp", "linen_mlp")
     step, args = _step(name, mesh_factory(shape), **(SEARCH if search else {}))
     report = step.verify(*args, steps=3)
     assert report.steps == 3
@@ -325,8 +326,8 @@ def test_indivisible_dimensions_exclude_strategies_not_crash(mesh24):
     assert report.max_param_rel_diff <= 1e-5
 
 
-def test_explain_prints_layers_and_writes_png(tmp_path, mesh24):
-    step, args = _step("gpt", mesh24, budget="85%")
+def test_explain_prints_layers_and_writes_png(tmp_path, mesh_factory):
+    step, args = _step("gpt", mesh_factory((1, 8)), budget="85%")     # 1x8 solves fastest
     step.lower(*args)
     png = tmp_path / "timeline.png"
     with open(tmp_path / "out.txt", "w") as sink:
@@ -384,12 +385,13 @@ def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh24):
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
 
 
-def test_a_model_with_its_own_checkpoint_is_planned_and_keeps_it(mesh24):
+def test_a_model_with_its_own_checkpoint_is_planned_and_keeps_it(mesh_factory):
     """A block under jax.checkpoint in the model (the reference GPT's remat option) is planned
     around: the interpreter keeps the model's recomputation behind its barrier, and the step
     computes what the plain step computes."""
     ref = build("gpt", **SMALL["gpt"], remat="nothing_saveable")
-    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, memory_budget="100%", **FAST)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh_factory((1, 8)), memory_budget="100%",
+                             **FAST)
     report = step.verify(*ref.init(0), ref.batch(0), steps=2)
     assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
     # the plan recomputes nothing itself, so the barriers are the model's checkpoint's
