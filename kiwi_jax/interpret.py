@@ -138,6 +138,41 @@ def _is_forward(name_stack: str) -> bool:
     return "jvp(" in name_stack and not is_backward(name_stack)
 
 
+def _follow_cotangents(run: _Run, invals, outvals) -> None:
+    """Mark a backward equation's outputs as reached by the cotangents (:attr:`_Run.late`)
+    when it reads a value they reached, or combines a constant of the backward pass (the
+    loss's seed, made from literals alone: :attr:`_Run.seeds`) with a value of the forward
+    pass. Such a value exists only once the backward pass has got that far, so a
+    recomputation tied to the last one made (:attr:`_Run.frontier`) cannot be scheduled
+    earlier."""
+    arrays = [v for v in invals if _is_array(v) and id(v) in run.made]
+    seeds = [id(v) in run.seeds for v in arrays]
+    if any(id(v) in run.late for v in arrays) or (any(seeds) and not all(seeds)):
+        marks = run.late
+    elif all(seeds):
+        marks = run.seeds
+    else:
+        return
+    for value in outvals:
+        if _is_array(value):
+            marks.add(id(value))
+            if marks is run.late:
+                run.frontier = value
+
+
+def _held_back(run: _Run, tie: list) -> list:
+    """``tie`` with the last value the cotangents reached added when none of ``tie`` was
+    reached by them (see :func:`_follow_cotangents`): a recomputation tied to it runs where the
+    backward pass is, not as soon as the forward pass ends. A reader's other operands alone do
+    not hold it there when they are values of the forward pass (the softmax's gradient reads
+    its output and nothing else of the backward pass): XLA then ran every layer's
+    recomputation at the end of the forward pass, where it saved nothing (the zoo ViT on one
+    device)."""
+    if run.frontier is None or any(id(v) in run.late for v in tie):
+        return tie
+    return [*tie, run.frontier]
+
+
 def _is_array(value) -> bool:
     return hasattr(value, "shape") and not isinstance(value, _Stacked)
 
@@ -176,6 +211,20 @@ class _Run:
     recomputed: dict = dataclasses.field(default_factory=dict)  # id(value) -> recomputed value
     forward_scans: list = dataclasses.field(default_factory=list)  # (length, reverse, first)
     next_layer: int = 0
+    late: set = dataclasses.field(default_factory=set)     # ids of values the cotangents reach
+    seeds: set = dataclasses.field(default_factory=set)    # ids of the backward's constants
+    renamed: dict = dataclasses.field(default_factory=dict)  # id(value) -> (value, tied copy)
+
+    def named(self, value):
+        """``value`` as the backward pass reads it from now on: its copy out of the last
+        optimization barrier it was tied through (itself if none)."""
+        while _is_array(value):
+            entry = self.renamed.get(id(value))
+            if entry is None or entry[0] is not value:
+                return value
+            value = entry[1]
+        return value
+    frontier: object = None                 # the last value made that the cotangents reach
 
     def source(self, value) -> tuple | None:
         """``(path, output index)`` of the equation that made ``value`` (``("arg", i)``: the
@@ -354,10 +403,13 @@ class Interpreter:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [read(v) for v in eqn.invars]
             if units and is_backward(str(name_stack)) and scan_body(eqn) is None:
-                invals = self._substitute(run, invals)
+                invals = self._substitute(run, [run.named(v) for v in invals])
                 for dropped in sorted(anchored.get(path, ()), key=path_key):
                     self._recompute(run, dropped, invals)
+                invals = [run.named(v) for v in invals]
             outvals = self._bind(run, anchored, eqn, invals, path, name_stack, units, in_scan)
+            if is_backward(str(name_stack)) and scan_body(eqn) is None:
+                _follow_cotangents(run, invals, outvals)
             if units and path in self.recompute and scan_body(eqn) is None:
                 unit = _Unit(eqn, path, name_stack, tuple(invals), tuple(outvals))
                 run.by_path[path] = unit
@@ -377,7 +429,7 @@ class Interpreter:
         """Recompute the unit at ``dropped`` now, tied to ``anchor_invals``."""
         unit = run.by_path.get(dropped)
         if unit is not None and not any(id(v) in run.recomputed for v in unit.outvals):
-            tie = [v for v in anchor_invals if _is_array(v)]
+            tie = _held_back(run, [v for v in anchor_invals if _is_array(v)])
             self._rerun(run, unit, tie, scope=OVERLAP_SCOPE, chain=False)
 
     def _rerun(self, run, unit: _Unit, tie, scope: str | None = None, chain: bool = True) -> None:
@@ -390,8 +442,17 @@ class Interpreter:
             if source is not None and source.path in self.chained \
                     and id(value) not in run.recomputed:
                 self._rerun(run, source, tie, scope)
-        inputs, _ = jax.lax.optimization_barrier(
+        tie = [run.named(v) for v in tie]
+        inputs, tied = jax.lax.optimization_barrier(
             ([self._current(run, v) for v in unit.invals], tie))
+        for value, copy in zip(tie, tied):       # read from here on: XLA drops unused ties
+            run.renamed[id(value)] = (value, copy)
+            run.made[id(copy)] = (copy, run.made[id(value)][1]) if id(value) in run.made \
+                else (copy, None)
+            if id(value) in run.late:
+                run.late.add(id(copy))
+                if run.frontier is value:
+                    run.frontier = copy
         outs = self._bind(run, {}, unit.eqn, inputs, unit.path,
                           unit.name_stack if scope is None else unit.name_stack.extend(scope),
                           units=False, in_scan=True)
@@ -404,11 +465,12 @@ class Interpreter:
         dropped = [i for i, v in enumerate(invals) if _is_array(v) and id(v) in run.producer]
         if not dropped:
             return invals
-        anchor = [v for i, v in enumerate(invals) if i not in dropped and _is_array(v)]
+        anchor = _held_back(run, [v for i, v in enumerate(invals)
+                                  if i not in dropped and _is_array(v)])
         invals = list(invals)
         for i in dropped:
             if id(invals[i]) not in run.recomputed:
                 self._rerun(run, run.producer[id(invals[i])], anchor or
                             [v for v in invals if _is_array(v)])
             invals[i] = run.recomputed[id(invals[i])]
-        return invals
+        return [v if i in dropped else run.named(v) for i, v in enumerate(invals)]
