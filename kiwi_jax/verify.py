@@ -454,15 +454,17 @@ def _run(step, args, steps: int, state_out):
 def compare_numerics(prepared: Prepared, pure, steps: int, mesh) -> Numerics:
     """The step that runs (kiwi's plan or the recipe that won) against the plain jitted step
     on one device, from the same state, over ``steps`` steps; the noise floor of the leaves
-    beyond :data:`LEAF_TOLERANCE` from the plain step run data-parallel on ``mesh``."""
+    beyond :data:`LEAF_TOLERANCE` from the plain step run data-parallel on ``mesh``, or on
+    every local device when ``mesh`` has one (:func:`_floor_mesh`)."""
     plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
     placed = place(_copy(pure.args), prepared.in_shardings)
     state, out = _run(prepared.compiled, placed, steps, prepared.state_out)
     diffs = leaf_rel_diffs(to_host(state), plain_state)
     beyond = [(k, path, diff) for k, (path, diff) in enumerate(diffs) if diff > LEAF_TOLERANCE]
     floors = [0.0] * len(diffs)
-    if beyond and mesh.devices.size > 1:
-        dp = data_parallel_step(pure, mesh)
+    floor_mesh = _floor_mesh(mesh)
+    if beyond and floor_mesh is not None:
+        dp = data_parallel_step(pure, floor_mesh)
         dp_state, _ = _run(dp.jitted, place(_copy(pure.args), dp.in_shardings), steps,
                            prepared.state_out)
         floors = [diff for _, diff in leaf_rel_diffs(to_host(dp_state), plain_state)]
@@ -470,6 +472,22 @@ def compare_numerics(prepared: Prepared, pure, steps: int, mesh) -> Numerics:
                     key=lambda leaf: -leaf.diff)
     return Numerics(steps, max((d for _, d in diffs), default=0.0),
                     max_rel_diff(to_host(out), plain_out), tuple(leaves))
+
+
+def _floor_mesh(mesh):
+    """The mesh the noise floor is measured on: ``mesh``, or, when it has one device, its axes
+    over every local device (None when there is only one). On one device the floor would be
+    the plain step against itself, zero, and a leaf whose gradient is rounding noise (an
+    attention key bias, which softmax cancels) would fail on any change of XLA's fusion: the
+    zoo ViT's plans on one device, whose recomputation XLA fuses otherwise, changed those
+    leaves by 0.4-0.99 (their Adam moments) and nothing else."""
+    if mesh.devices.size > 1:
+        return mesh
+    devices = jax.local_devices()
+    if len(devices) < 2:
+        return None
+    shape = (len(devices),) + (1,) * (len(mesh.axis_names) - 1)
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), mesh.axis_names)
 
 
 def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,

@@ -80,9 +80,21 @@ def test_a_wrong_leaf_fails_and_is_named(mesh24):
         max(leaf.diff for leaf in numerics.beyond))
 
 
-def test_one_device_has_no_noise_floor(mesh_factory):
+def test_one_device_data_parallel_is_the_plain_step(mesh_factory):
     pure = functionalize(_step, _args())
     one = mesh_factory((1, 1))
     numerics = compare_numerics(_as_prepared(data_parallel_step(pure, one)), pure, 3, one)
     assert numerics.ok and numerics.beyond == ()
     assert np.isclose(numerics.max_param_rel_diff, 0.0)
+
+
+def test_on_one_device_the_floor_is_measured_on_the_local_devices(mesh24, mesh_factory):
+    # another program on one device (here: the sharded one stands for it) moves the key bias
+    # by rounding noise; its floor comes from the local devices, not the one-device step
+    # against itself (zero)
+    pure = functionalize(_step, _args())
+    other = _as_prepared(data_parallel_step(pure, mesh24))
+    numerics = compare_numerics(other, pure, 3, mesh_factory((1, 1)))
+    (leaf,) = [leaf for leaf in numerics.beyond if "key_bias" in leaf.path]
+    assert leaf.diff > LEAF_TOLERANCE and leaf.floor > LEAF_TOLERANCE
+    assert numerics.ok, numerics.summary()
