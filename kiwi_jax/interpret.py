@@ -34,7 +34,10 @@ argument leaf, None when unknown) and ``recompute`` (the paths of forward equati
 top level or in an unrolled scan body, whose outputs are dropped after the forward pass and
 recomputed right before their first backward reader, at top level or in an unrolled backward
 scan, behind an optimization barrier tied to that reader's other inputs, as ``jax.checkpoint``
-does internally). Dropped values are followed by identity through the scans' plumbing (a
+does internally; when none of them was reached by the cotangents, to the last value that was.
+The backward pass reads the tied values out of the barrier from then on: XLA drops a barrier's
+outputs that nothing reads, and the recomputation is then free to run as early as its inputs
+allow). Dropped values are followed by identity through the scans' plumbing (a
 forward body's output stacked as a residual is the same value its backward iteration reads).
 With ``beside`` (Lynx), a dropped value is recomputed instead when the interpreter reaches a
 given backward equation (one that issues a collective), behind a barrier tied to that
