@@ -217,6 +217,7 @@ class _Run:
     late: set = dataclasses.field(default_factory=set)     # ids of values the cotangents reach
     seeds: set = dataclasses.field(default_factory=set)    # ids of the backward's constants
     renamed: dict = dataclasses.field(default_factory=dict)  # id(value) -> (value, tied copy)
+    frontier: object = None                 # the last value made that the cotangents reach
 
     def named(self, value):
         """``value`` as the backward pass reads it from now on: its copy out of the last
@@ -227,7 +228,6 @@ class _Run:
                 return value
             value = entry[1]
         return value
-    frontier: object = None                 # the last value made that the cotangents reach
 
     def source(self, value) -> tuple | None:
         """``(path, output index)`` of the equation that made ``value`` (``("arg", i)``: the

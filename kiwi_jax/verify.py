@@ -479,8 +479,8 @@ def _floor_mesh(mesh):
     over every local device (None when there is only one). On one device the floor would be
     the plain step against itself, zero, and a leaf whose gradient is rounding noise (an
     attention key bias, which softmax cancels) would fail on any change of XLA's fusion: the
-    zoo ViT's plans on one device, whose recomputation XLA fuses otherwise, changed those
-    leaves by 0.4-0.99 (their Adam moments) and nothing else."""
+    zoo ViT's plans on one device, whose recomputation XLA fuses differently, moved those
+    leaves by 0.4-0.99 (relative, with their Adam moments) and no other leaf past 1e-5."""
     if mesh.devices.size > 1:
         return mesh
     devices = jax.local_devices()
