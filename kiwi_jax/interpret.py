@@ -156,11 +156,10 @@ def _follow_cotangents(run: _Run, invals, outvals) -> None:
         marks = run.seeds
     else:
         return
-    for value in outvals:
-        if _is_array(value):
-            marks.add(id(value))
-            if marks is run.late:
-                run.frontier = value
+    arrays_out = [v for v in outvals if _is_array(v)]
+    marks.update(id(v) for v in arrays_out)
+    if marks is run.late and arrays_out:
+        run.frontier = arrays_out[-1]
 
 
 def _held_back(run: _Run, tie: list) -> list:
@@ -405,13 +404,14 @@ class Interpreter:
             path = f"{prefix}_{index}" if prefix else str(index)
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [read(v) for v in eqn.invars]
-            if units and is_backward(str(name_stack)) and scan_body(eqn) is None:
-                invals = self._substitute(run, [run.named(v) for v in invals])
+            backward = is_backward(str(name_stack)) and scan_body(eqn) is None
+            if units and backward:
+                invals = self._substitute(run, invals)
                 for dropped in sorted(anchored.get(path, ()), key=path_key):
                     self._recompute(run, dropped, invals)
-                invals = [run.named(v) for v in invals]
+                invals = [run.named(v) for v in invals]     # the copies out of the barriers
             outvals = self._bind(run, anchored, eqn, invals, path, name_stack, units, in_scan)
-            if is_backward(str(name_stack)) and scan_body(eqn) is None:
+            if backward:
                 _follow_cotangents(run, invals, outvals)
             if units and path in self.recompute and scan_body(eqn) is None:
                 unit = _Unit(eqn, path, name_stack, tuple(invals), tuple(outvals))
@@ -450,8 +450,7 @@ class Interpreter:
             ([self._current(run, v) for v in unit.invals], tie))
         for value, copy in zip(tie, tied):       # read from here on: XLA drops unused ties
             run.renamed[id(value)] = (value, copy)
-            run.made[id(copy)] = (copy, run.made[id(value)][1]) if id(value) in run.made \
-                else (copy, None)
+            run.made[id(copy)] = (copy, run.source(value))
             if id(value) in run.late:
                 run.late.add(id(copy))
                 if run.frontier is value:
@@ -476,4 +475,4 @@ class Interpreter:
                 self._rerun(run, run.producer[id(invals[i])], anchor or
                             [v for v in invals if _is_array(v)])
             invals[i] = run.recomputed[id(invals[i])]
-        return [v if i in dropped else run.named(v) for i, v in enumerate(invals)]
+        return invals
