@@ -14,8 +14,8 @@ or within 10x its noise floor, the plain step data-parallel on the mesh against 
 on one device). Every failure is a row with its stage, the exception's type and the first
 line of its message; the study itself never stops on one.
 
-Budgets are the decorator's percentages: ``"100%"`` is the peak of the fastest ``alpa`` plan
-with no memory limit (the reference plan), ``"80%"`` four fifths of it.
+Budgets are the decorator's percentages: ``"100%"`` is the compiled memory of the fastest
+``alpa`` plan with no memory limit (the reference plan), ``"80%"`` four fifths of it.
 
 Usage: python -m experiments.zoo_study [--json] [--quick] [--models llama vit ...]
        [--meshes 1x1 1x8 2x4 4x2] [--budgets 100% 80%] [--time-limit 60] [--name zoo]
@@ -232,8 +232,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", nargs="+", default=list(zoo.MODELS), choices=zoo.MODELS)
     parser.add_argument("--meshes", nargs="+", default=list(MESHES))
     parser.add_argument("--budgets", nargs="+", default=list(BUDGETS),
-                        help="memory_budget values: percentages of the reference plan's peak "
-                             "or sizes such as 6MiB")
+                        help="memory_budget values: percentages of the reference plan's "
+                             "compiled memory or sizes such as 6MiB")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per solve")
     parser.add_argument("--name", default="zoo", help="results/<name>.json")
     parser.add_argument("--quick", action="store_true",

@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     plan = sub.add_parser("plan", help="solve the problem under a memory budget")
     _model_args(plan)
     plan.add_argument("--budget", default="80%", help="per-device budget: bytes (6GiB) or a "
-                      "percentage of the fastest no-limit alpa plan's peak (80%%)")
+                      "percentage of the fastest no-limit alpa plan's predicted peak (80%%)")
     plan.add_argument("--solver", default=defaults.solver, help="alpa, alpa+dots, "
                       "alpa+megatron, alpa+full, kiwi, kiwi-full, lynx-heu, lynx-opt (the Lynx "
                       "solvers keep the reference plan's sharding); default %(default)s")
@@ -402,7 +402,8 @@ def main(argv=None) -> int:
     pipe.set_defaults(run=_cmd_pipeline)
     verify = sub.add_parser("verify", help="plan, apply, compile and check the step")
     _model_args(verify)
-    verify.add_argument("--budget", default="60%", help="per-device budget, as for plan")
+    verify.add_argument("--budget", default="60%", help="per-device budget: bytes (6GiB) or a "
+                        "percentage of the fastest no-limit alpa plan's compiled memory (60%%)")
     verify.add_argument("--solver", default=defaults.solver, help="alpa, alpa+dots, "
                         "alpa+megatron, alpa+full, kiwi; default %(default)s")
     verify.add_argument("--backend", default=defaults.backend,

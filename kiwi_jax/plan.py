@@ -24,8 +24,8 @@ from kiwi_jax.sharding import Comm, reshard_comms
 import solvers
 from solvers.simulator import SimResult, reduced_schedule, simulate
 
-__all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "predicted_comms",
-           "attributed_comms", "by_kind"]
+__all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "budget_fraction",
+           "reference_solution", "predicted_comms", "attributed_comms", "by_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -223,20 +223,33 @@ def _plain(value):
     raise TypeError(f"cannot write {type(value).__name__} to a plan file")
 
 
+def budget_fraction(budget) -> float | None:
+    """The fraction a percentage budget names (``"80%"``: 0.8); None for bytes."""
+    if not (isinstance(budget, str) and budget.strip().endswith("%")):
+        return None
+    fraction = float(budget.strip()[:-1]) / 100.0
+    if not fraction > 0:
+        raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
+    return fraction
+
+
+def reference_solution(problem, **options) -> solvers.Solution:
+    """The reference plan (the fastest ``alpa`` plan with no memory limit, lowest peak among
+    equals; see :func:`solvers.reference_plan`), solved with the options that apply to it."""
+    return solvers.reference_plan(problem, **{
+        k: v for k, v in options.items()
+        if k in ("backend", "time_limit", "seed", "threads", "reuse_layers")})
+
+
 def resolve_budget(budget, problem, **options) -> int:
-    """Bytes from ``6GiB``, an int, or ``"80%"``: a percentage of the per-device peak of the
-    reference plan (the fastest ``alpa`` plan with no memory limit, lowest peak among equals;
-    see :func:`solvers.reference_plan`)."""
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        fraction = float(budget.strip()[:-1]) / 100.0
-        if not fraction > 0:
-            raise ValueError(f"expected a positive percentage such as 80%, got {budget!r}")
-        reference = solvers.reference_plan(
-            problem, **{k: v for k, v in options.items()
-                        if k in ("backend", "time_limit", "seed", "threads",
-                                 "reuse_layers")})
-        return int(fraction * reference.peak_bytes)
-    return parse_bytes(budget)
+    """Bytes from ``6GiB``, an int, or ``"80%"``: a percentage of the reference plan's
+    per-device peak as the model predicts it (:func:`reference_solution`). The decorator, which
+    compiles, takes percentages of the reference plan's compiled memory instead
+    (:class:`kiwi_jax.optimize.Options`)."""
+    fraction = budget_fraction(budget)
+    if fraction is None:
+        return parse_bytes(budget)
+    return int(fraction * reference_solution(problem, **options).peak_bytes)
 
 
 def attributed_comms(build: ProblemBuild, strategy, keep=None) -> list[tuple[int, Comm]]:

@@ -13,10 +13,12 @@ from flax import nnx
 
 import kiwi_jax
 import solvers
+from experiments import zoo
 from experiments.zoo import moe as zoo_moe
 from kiwi_jax.fit import FIT_COMPILES, FitStop
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
+from kiwi_jax.plan import Plan
 from hlo_tools.compiled import LiveBuffer, device_memory
 from hlo_tools.graph import Phase
 from kiwi_jax.estimate import compiled_cost
@@ -274,7 +276,8 @@ def test_plans_are_cached_and_corrupt_entries_ignored(tmp_path, mesh24):
     with pytest.warns(UserWarning, match="unreadable plan cache entry"):
         third.lower(*args)
     assert not third.prepared.cached
-    assert json.loads(entries[0].read_text())["solution"]["solver"] == "kiwi"   # rewritten
+    rewritten = Plan.from_json(entries[0].read_text())
+    assert rewritten.fingerprint == third.plan.fingerprint == first.plan.fingerprint
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one(mesh24):
@@ -397,3 +400,19 @@ def test_a_model_with_its_own_checkpoint_is_planned_and_keeps_it(mesh_factory):
     # the plan recomputes nothing itself, so the barriers are the model's checkpoint's
     assert not step.plan.recomputed
     assert "opt-barrier" in step.prepared.applied.compiled.as_text()
+
+
+def test_a_percentage_is_of_the_reference_plans_compiled_memory(mesh_factory):
+    # On one device the model misses what XLA holds for the ViT (layout copies of the kernels,
+    # the LayerNorms' broadcasts): a percentage of the reference plan's predicted peak was a
+    # budget the reference plan itself compiled 1.23x over. "100%" is what it compiles to.
+    train_step, args = zoo.make("vit", depth=1, dim=16, heads=2, mlp_dim=32, batch=4,
+                                image_size=16, patch_size=4)
+    step = kiwi_jax.optimize(train_step, mesh=mesh_factory((1, 1)), memory_budget="100%",
+                             **FAST)
+    prepared = step.lower(*args)
+    plan, compiled = prepared.plan, device_memory(prepared.compiled).peak_bytes
+    predicted = solvers.reference_plan(prepared.build.problem).peak_bytes
+    assert plan.budget_bytes > predicted
+    # kiwi's plan is no faster than the reference plan, which runs: the budget is its memory
+    assert compiled == plan.budget_bytes and plan.fit.fits
