@@ -36,13 +36,17 @@ class ProblemBuild:
       strategies: per node, the :class:`Strategy` list (index = strategy index in the problem).
       problem: the numpy problem handed to solvers.
       unsupported: opcodes that fell back to the replicated strategy.
+      memory_model: the memory model the problem was built with (``operator`` or ``fused``;
+        ``auto`` resolved).
     """
 
-    def __init__(self, graph, mesh, cluster, strategies, problem, unsupported):
+    def __init__(self, graph, mesh, cluster, strategies, problem, unsupported,
+                 memory_model: str = "operator"):
         self.graph, self.mesh, self.cluster = graph, mesh, cluster
         self.strategies: list[list[Strategy]] = strategies
         self.problem: ShardingProblem = problem
         self.unsupported: dict[str, int] = unsupported
+        self.memory_model = memory_model
 
 
 class _ReshardCache:
@@ -180,7 +184,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
     if merge:
         problem = merge_followers(problem)
     problem = with_layer_ties(problem)
-    return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported)
+    return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported, memory_model)
 
 
 def _gathered(graph: OpGraph, edges: np.ndarray, strategies, cache: _ReshardCache) -> tuple:

@@ -6,8 +6,12 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+import kiwi_jax
 from experiments import zoo
-from kiwi_jax.compile import compiler_options
+from hlo_tools.compiled import device_memory
+from hlo_tools.liveness import fused_values
+from kiwi_jax.apply import applied_function, fused_followers
+from kiwi_jax.compile import compiler_options, jit_step
 from kiwi_jax.interpret import Interpreter, is_backward, is_unit, trace_flat
 from kiwi_jax.step import functionalize
 
@@ -42,3 +46,29 @@ def test_recomputed_attention_probabilities_are_not_held_from_the_forward_pass()
     # last layer's is recomputed as soon as the backward pass starts)
     largest = max(dropped.values())
     assert recomputed <= kept - 2 * largest, (kept, recomputed, largest)
+
+
+def test_values_fused_into_their_readers_are_recomputed_with_what_they_read():
+    # One device, the fused memory model: GELU's 1 - tanh is stored by no one; read as the
+    # forward pass left it, XLA fuses its elementwise chain into the backward reader, which
+    # then holds the MLP's product the plan dropped, in every layer.
+    step, args = zoo.make("vit", abstract=True, seed=0)
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="100%", solver="alpa+full",
+                                  cache_dir=False, fit_compiles=0, recipes=False)
+    prepared = optimized.lower(*args)
+    assert prepared.build.memory_model == "fused"
+    traced, plan = prepared.traced, prepared.plan
+    followers = fused_followers(traced.graph, fused_values(traced.graph), set(plan.recomputed))
+    assert followers
+
+    def peak(fused) -> int:
+        fn, ins, outs = applied_function(traced, list(plan.specs), plan.recomputed, mesh,
+                                         fused=fused)
+        jitted, _ = jit_step(fn, ins, outs, traced.state_out)
+        compiled = jitted.lower(*prepared.traced.pure.args).compile(compiler_options())
+        return device_memory(compiled).peak_bytes
+
+    product = 8 * 17 * 64 * 4              # one layer's MLP product (batch, tokens, mlp_dim)
+    assert peak(None) - prepared.applied.memory.peak_bytes >= 3 * product
