@@ -245,6 +245,8 @@ class OptimizedStep:
         Raises:
           solvers.InfeasibleBudgetError: kiwi has no plan for the budget and no recipe
             compared fits it.
+          solvers.SolverTimeoutError: the solver found no plan in its time limit and no recipe
+            compared fits the budget.
         """
         options = self.options
         abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
@@ -279,8 +281,8 @@ class OptimizedStep:
                 plan, applied, cached, plan_seconds, start = self._planned(
                     traced, build, abstract, start)
                 infeasible = None
-            except solvers.InfeasibleBudgetError as error:
-                if not recipes:
+            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+                if not recipes or error.budget_bytes is None:
                     raise
                 plan = applied = None
                 cached, infeasible = False, error
@@ -304,11 +306,13 @@ class OptimizedStep:
 
     def _choose(self, abstract: PureStep, build: ProblemBuild, applied: CompiledPlan | None,
                 recipes: tuple, budget: int,
-                infeasible: solvers.InfeasibleBudgetError | None
+                infeasible: solvers.InfeasibleBudgetError | solvers.SolverTimeoutError | None
                 ) -> tuple[Choice, CompiledPlan | None]:
         """The recipes compiled for the step and set against kiwi's compiled plan
         (:func:`kiwi_jax.choose.choose`, priced with the problem's cluster); the winning
-        recipe's compiled step, or None when kiwi's plan runs (or nothing fits)."""
+        recipe's compiled step, or None when kiwi's plan runs (or nothing fits).
+        ``infeasible``: why kiwi has no plan (no plan under the budget, or none found in the
+        time limit), when it has none."""
         options = self.options
         start = time.perf_counter()
         rows, steps = compile_recipes(self.train_step, step_arguments(abstract), options.mesh,

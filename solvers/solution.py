@@ -161,6 +161,11 @@ class SolverUnavailableError(RuntimeError):
 class SolverTimeoutError(RuntimeError):
     """The time limit passed before any plan was found."""
 
+    def __init__(self, message: str, budget_bytes: int | None = None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        """The per-device budget the solve was under (None: no memory limit)."""
+
 
 class SolverError(RuntimeError):
     """The backend failed for another reason."""

@@ -255,7 +255,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
                     f"{solver}: no plan found within the time limit ({joint.model.num_vars} "
                     f"variables; the final solve had the {time_limit:.0f} s the warm-start "
                     f"stages left); raise time_limit or the budget"
-                    + _tie_advice(problem, solver, reuse_layers))
+                    + _tie_advice(problem, solver, reuse_layers), budget_bytes)
             raise SolverError(f"{solver}: backend {backend} failed ({result.status.value})")
         strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
         peak = sim.peak_bytes
