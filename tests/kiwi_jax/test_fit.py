@@ -95,6 +95,16 @@ def test_no_plan_compiles_under_and_none_is_tighter():
     assert result.plan.name == "C" and not result.record.fits      # the closest, flagged
 
 
+def test_no_plan_at_the_start_tries_looser_solver_budgets():
+    # at the model's smallest feasible budget the program is at its tightest, and its solve may
+    # end at the time limit without a plan (the zoo mixer on 2x4 at 80%)
+    plan = FakePlan("C", 1300, 1.3, 900)
+    land = Landscape(plan, answers=lambda budget: plan if budget >= 1300 else None)
+    result = land.fit(1000, start=1200, floor=1200)
+    assert land.solved == [1200, 1320]                  # 10% looser
+    assert result.plan.name == "C" and result.record.fits
+
+
 def test_no_plan_at_the_start():
     land = Landscape(FakePlan("A", 1500, 1.0, 1400))
     result = land.fit(1000)
