@@ -566,6 +566,10 @@ class OptimizedStep:
             parts.append(f"kiwi's plan: none ({prepared.choice.kiwi_error})")
         else:
             text = explain(prepared.build, self.plan, verbose=verbose)
+            if self.plan.solver != self.options.solver:     # held: see HOLD_THE_REFERENCE
+                text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
+                        f"no memory limit, no recomputation): it compiles within the budget, "
+                        f"so {self.options.solver!r} solved nothing\n{text}")
             parts.append(f"kiwi's plan (not run: the recipe runs)\n{text}"
                          if prepared.runs_recipe else text)
         text = "\n\n".join(parts)

@@ -1,6 +1,7 @@
 """The decorator: plan, apply, compile, run; the compiled step checked against the plan and the
 plain step."""
 
+import io
 import json
 import warnings
 
@@ -417,3 +418,7 @@ def test_a_percentage_is_of_the_reference_plans_compiled_memory(mesh_factory):
     assert plan.budget_bytes > predicted
     # the reference plan fits it, and no plan is faster: it runs
     assert compiled == plan.budget_bytes and plan.fit.fits and plan.recomputed == ()
+    text = step.explain(file=io.StringIO())
+    assert text.startswith("kiwi's plan is the reference plan (alpa's fastest with no memory "
+                           "limit, no recomputation): it compiles within the budget, so 'kiwi' "
+                           "solved nothing\nplan: alpa (optimal)")
