@@ -361,10 +361,8 @@ def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[Li
 
     def op_name(instr) -> str:
         """Its own, a fusion's root's, or (a copy XLA inserted) its operand's."""
-        called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
         source = entry.get(instr.operands[0]) if instr.operands else None
-        return (instr.op_name or (called.root.op_name if called else "")
-                or (source.op_name if source else ""))
+        return _own_op_name(module, instr) or (source.op_name if source else "")
 
     marker = report.find("(peak):")
     if marker < 0:
@@ -379,3 +377,23 @@ def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[Li
                               op_name(instr) if instr else "",
                               instr is not None and instr.opcode == "parameter"))
     return tuple(out)
+
+
+_NOT_STORED = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
+
+
+def _own_op_name(module, instr) -> str:
+    """An instruction's ``op_name``, or its fused root's."""
+    called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+    return instr.op_name or (called.root.op_name if called else "")
+
+
+def stored_op_names(hlo_text: str) -> frozenset[str]:
+    """The ``op_name`` of every value an optimized module's entry computation stores (its
+    instructions other than parameters, tuples, bitcasts and constants; a fusion's is its
+    root's): the values XLA did not fuse into their readers. ``hlo_text``: the compiled
+    executable's ``as_text()``."""
+    module = parse_module(hlo_text)
+    return frozenset(name for instr in module.entry.instructions
+                     if instr.opcode not in _NOT_STORED
+                     for name in [_own_op_name(module, instr)] if name)

@@ -47,6 +47,7 @@ import jax
 from flax import nnx
 
 import solvers
+from hlo_tools.compiled import stored_op_names
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
@@ -58,7 +59,7 @@ from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
-from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model
+from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, compiler_stored
 from kiwi_jax.step import PureStep, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
@@ -278,7 +279,7 @@ class OptimizedStep:
             applied = self._apply(traced, build, plan, abstract)
         else:
             try:
-                plan, applied, cached, plan_seconds, start = self._planned(
+                plan, applied, cached, plan_seconds, start, build = self._planned(
                     traced, build, abstract, start)
                 infeasible = None
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
@@ -334,15 +335,14 @@ class OptimizedStep:
 
     def _planned(self, traced, build, abstract, start):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
-        with the planning and compiling times' split."""
+        with the planning and compiling times' split, and the problem it was solved on (see
+        :meth:`_plan`)."""
         options = self.options
         compiled: dict[str, CompiledPlan] = {}     # by plan fingerprint
-        try:
-            (plan, cached), infeasible = self._plan(traced, build, abstract, compiled), None
-        except solvers.InfeasibleBudgetError as error:
-            if error.min_feasible_bytes is None or not options.fit_compiles:
-                raise
-            plan, cached, infeasible = None, False, error
+        plan, cached, build, infeasible = self._plan(traced, build, abstract, compiled)
+        if infeasible is not None and (infeasible.min_feasible_bytes is None
+                                       or not options.fit_compiles):
+            raise infeasible
         plan_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if cached or not options.fit_compiles:
@@ -351,7 +351,7 @@ class OptimizedStep:
             plan, applied = self._fit(traced, build, plan, infeasible, abstract, compiled)
         if not cached:
             self._store(traced, build, plan)
-        return plan, applied, cached, plan_seconds, start
+        return plan, applied, cached, plan_seconds, start, build
 
     def _received(self, processes: Exchange, traced: TracedStep,
                   build: ProblemBuild) -> Plan | None:
@@ -477,13 +477,20 @@ class OptimizedStep:
         return PlanCache(options.cache_dir or default_cache_dir()), self._key(traced, build)
 
     def _plan(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
-              compiled: dict[str, CompiledPlan]) -> tuple[Plan, bool]:
-        """The cached plan, or a new one; and whether it came from the cache. ``compiled``
-        gets the plans compiled on the way (the reference plan, for a percentage)."""
+              compiled: dict[str, CompiledPlan]
+              ) -> tuple[Plan | None, bool, ProblemBuild, solvers.InfeasibleBudgetError | None]:
+        """The cached plan, or a new one; whether it came from the cache; the problem it was
+        solved on; and, instead of a plan, the model's error for a budget it has no plan
+        under. ``compiled`` gets the plans compiled on the way (the reference plan, for a
+        percentage).
+
+        With the fused memory model, the reference plan compiled for a percentage says which
+        values XLA stores (:func:`kiwi_jax.problem.compiler_stored`): the problem solved is
+        rebuilt with them charged."""
         cache, key = self._cache(traced, build)
         plan = cache.load(key, build.problem.names) if cache is not None else None
         if plan is not None:
-            return plan, True
+            return plan, True, build, None
         options = self.options
         budget, reference = self._budget_bytes(traced, build, abstract, compiled)
         if (reference is not None and options.solver in HOLD_THE_REFERENCE
@@ -495,8 +502,19 @@ class OptimizedStep:
             # or, where it over-predicts, finds no plan (the zoo mixer on 2x4 at 100%).
             log.info("%s: the reference plan compiles within the budget: running it",
                      self.__name__)
-            return dataclasses.replace(reference, budget_bytes=budget), False
-        return solve_plan(build, budget, options.solver, **options.solver_options()), False
+            return dataclasses.replace(reference, budget_bytes=budget), False, build, None
+        if reference is not None and build.memory_model == "fused":
+            stored = compiler_stored(build.graph, stored_op_names(
+                compiled[reference.fingerprint].compiled.as_text()))
+            log.info("%s: the compiled reference plan stores %d values the fusion rules fuse",
+                     self.__name__, int((stored & build.fused).sum()))
+            build = build_problem(build.graph, build.mesh, build.cluster, memory_model="fused",
+                                  carried=carried_pairs(traced), stored=stored)
+        try:
+            return solve_plan(build, budget, options.solver, **options.solver_options()), \
+                False, build, None
+        except solvers.InfeasibleBudgetError as error:
+            return None, False, build, error
 
     def _budget_bytes(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:
