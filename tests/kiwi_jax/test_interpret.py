@@ -51,11 +51,13 @@ def test_recomputed_attention_probabilities_are_not_held_from_the_forward_pass()
 def test_values_fused_into_their_readers_are_recomputed_with_what_they_read():
     # One device, the fused memory model: GELU's 1 - tanh is stored by no one; read as the
     # forward pass left it, XLA fuses its elementwise chain into the backward reader, which
-    # then holds the MLP's product the plan dropped, in every layer.
+    # then holds the MLP's product the plan dropped, in every layer. (Bytes, not "100%": a
+    # percentage also charges what the compiled reference stores, and alpa+full then keeps
+    # other values.)
     step, args = zoo.make("vit", abstract=True, seed=0)
     mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="100%", solver="alpa+full",
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="1GiB", solver="alpa+full",
                                   cache_dir=False, fit_compiles=0, recipes=False)
     prepared = optimized.lower(*args)
     assert prepared.build.memory_model == "fused"
