@@ -63,13 +63,15 @@ def _compiler(model: str, mesh: str, cluster: str) -> PlanCompiler:
     return PlanCompiler.for_step(step, args, mesh, cluster)
 
 
-def _group(model: str, mesh: str, budgets, methods, time_limit: float, cluster: str) -> dict:
+def _group(model: str, mesh: str, budgets, methods, time_limit: float, cluster: str,
+           charge_stored: bool = True) -> dict:
     """Sweep one model on one mesh; every failure is recorded, not raised."""
     start = time.perf_counter()
     group = {"model": model, "mesh": mesh}
     try:
         compiler = _compiler(model, mesh, cluster)
-        rows, reference_peak = sweep(compiler, methods, budgets, time_limit, reuse_layers=True)
+        rows, reference_peak = sweep(compiler, methods, budgets, time_limit, reuse_layers=True,
+                                     charge_stored=charge_stored)
     except Exception as error:  # a model that does not trace or plan is a row
         group.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
     else:
@@ -151,6 +153,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cluster", default="v100-nvlink")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
     parser.add_argument("--name", default="fidelity", help="results/<NAME>.json and .png")
+    parser.add_argument("--fusion", choices=("compiled", "rules"), default="compiled",
+                        help="one device: charge what the compiled reference plan stores, as "
+                             "the decorator does for a percentage, or the fusion rules alone")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -159,11 +164,13 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     result = {"study": "fidelity", "quick": args.quick, "cluster": args.cluster,
               "methods": list(args.methods), "budgets": list(budgets),
-              "time_limit": args.time_limit, "memory_target": MEMORY_TARGET, "groups": []}
+              "time_limit": args.time_limit, "memory_target": MEMORY_TARGET,
+              "fusion": args.fusion, "groups": []}
     for model in models:
         for mesh in meshes:
             print(f"{model} on {mesh}:", file=sys.stderr, flush=True)
-            group = _group(model, mesh, budgets, args.methods, args.time_limit, args.cluster)
+            group = _group(model, mesh, budgets, args.methods, args.time_limit, args.cluster,
+                           charge_stored=args.fusion == "compiled")
             if "error" in group:
                 print(f"  failed: {group['error']}", file=sys.stderr, flush=True)
             result["groups"].append(group)

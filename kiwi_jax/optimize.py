@@ -59,7 +59,7 @@ from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
-from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, compiler_stored
+from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, with_stored
 from kiwi_jax.step import PureStep, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
@@ -503,13 +503,9 @@ class OptimizedStep:
             log.info("%s: the reference plan compiles within the budget: running it",
                      self.__name__)
             return dataclasses.replace(reference, budget_bytes=budget), False, build, None
-        if reference is not None and build.memory_model == "fused":
-            stored = compiler_stored(build.graph, stored_op_names(
-                compiled[reference.fingerprint].compiled.as_text()))
-            log.info("%s: the compiled reference plan stores %d values the fusion rules fuse",
-                     self.__name__, int((stored & build.fused).sum()))
-            build = build_problem(build.graph, build.mesh, build.cluster, memory_model="fused",
-                                  carried=carried_pairs(traced), stored=stored)
+        if reference is not None:
+            build = with_stored(build, stored_op_names(
+                compiled[reference.fingerprint].compiled.as_text()), carried_pairs(traced))
         try:
             return solve_plan(build, budget, options.solver, **options.solver_options()), \
                 False, build, None

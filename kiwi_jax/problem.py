@@ -22,8 +22,8 @@ from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.problem import ShardingProblem
 from solvers.reuse import with_layer_ties
 
-__all__ = ["build_problem", "check_memory_model", "compiler_stored", "ProblemBuild",
-           "MEMORY_MODELS"]
+__all__ = ["build_problem", "check_memory_model", "compiler_stored", "with_stored",
+           "ProblemBuild", "MEMORY_MODELS"]
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,20 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
     problem = with_layer_ties(problem)
     return ProblemBuild(graph, mesh, cluster, strategies, problem, unsupported, memory_model,
                         fused)
+
+
+def with_stored(build: ProblemBuild, op_names, carried=()) -> ProblemBuild:
+    """``build`` rebuilt with the values a compiled step of its graph stores charged memory:
+    ``op_names`` are its stored values' (:func:`hlo_tools.compiled.stored_op_names`),
+    ``carried`` as for :func:`build_problem`. A build of the operator model, which charges
+    every value already, is returned as it is."""
+    if build.memory_model != "fused":
+        return build
+    stored = compiler_stored(build.graph, op_names)
+    log.info("the compiled step stores %d values the fusion rules fuse",
+             int((stored & build.fused).sum()))
+    return build_problem(build.graph, build.mesh, build.cluster, memory_model="fused",
+                         carried=carried, stored=stored)
 
 
 def compiler_stored(graph: OpGraph, op_names) -> np.ndarray:
