@@ -485,8 +485,8 @@ class OptimizedStep:
         percentage).
 
         With the fused memory model, the reference plan compiled for a percentage says which
-        values XLA stores (:func:`kiwi_jax.problem.compiler_stored`): the problem solved is
-        rebuilt with them charged."""
+        values XLA stores: the problem solved is rebuilt with them charged
+        (:func:`kiwi_jax.problem.with_stored`)."""
         cache, key = self._cache(traced, build)
         plan = cache.load(key, build.problem.names) if cache is not None else None
         if plan is not None:
@@ -580,7 +580,9 @@ class OptimizedStep:
             parts.append(f"kiwi's plan: none ({prepared.choice.kiwi_error})")
         else:
             text = explain(prepared.build, self.plan, verbose=verbose)
-            if self.plan.solver != self.options.solver:     # held: see HOLD_THE_REFERENCE
+            held = (self.options.solver in HOLD_THE_REFERENCE       # see _plan
+                    and self.plan.solver != self.options.solver)
+            if held:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
                         f"so {self.options.solver!r} solved nothing\n{text}")
