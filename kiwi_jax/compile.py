@@ -14,6 +14,7 @@ import jax
 
 import solvers
 from hlo_tools.compiled import MemoryStats, device_memory
+from hlo_tools.liveness import fused_values
 from kiwi_jax.apply import TracedStep, applied_function, operand_specs_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
@@ -71,7 +72,9 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
         beside=plan.hidden_under if overlap else None,
         chains=plan.solver not in solvers.LYNX_SOLVERS,
         operand_specs=operand_specs_of(build.strategies, plan.strategy),
-        fused=build.fused if build.memory_model == "fused" else None)
+        # the fusion rules' flags, not the build's: they follow from the graph alone, so a
+        # plan from the cache or from process 0 is applied as it was when it was compiled
+        fused=fused_values(traced.graph) if build.memory_model == "fused" else None)
     jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, traced.state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
     return CompiledPlan(tuple(in_shardings), tuple(out_shardings), traced.state_out, jitted,
