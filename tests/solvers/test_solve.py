@@ -100,6 +100,24 @@ def test_resharded_operand_copies_count_against_the_budget(solver, tmp_path, cap
         dataclasses.replace(p, gathered=p.gathered * 2)
 
 
+@pytest.mark.parametrize("solver", ["alpa", "kiwi"])
+def test_a_plan_over_by_its_copies_is_solved_for_again_without_them_under_less(solver, caplog):
+    # Strategies of the operator: 1.0 s, 104 B and a 6 B operand copy; 1.1 s, 100 B and 4 B;
+    # 3 s, 50 B and none. Under 114 B the program without the copies takes the first (112 B
+    # without its copy, 118 B with it), 4 B over: solved again under 110 B it takes the second
+    # (112 B with its copy), and the program with the copies is not needed.
+    p = make_problem([Phase.PARAM, Phase.FORWARD], [(0, 1)], [[0.0], [1.0, 1.1, 3.0]],
+                     [[8], [104, 100, 50]], outputs=(1,), resharding=[[[0.0, 0.0, 0.0]]])
+    p = dataclasses.replace(p, gathered=(np.array([[6, 4, 0]]),))
+    with caplog.at_level(logging.INFO, logger="solvers.solve"):
+        plan = solve(p, 114, solver=solver, warm_start=None)
+    assert plan.strategy.tolist() == [0, 1] and plan.peak_bytes == 112
+    assert "4 over the budget of 114; solving again without them under 110" in caplog.text
+    assert "with them counted" not in caplog.text
+    # the restriction's optimum is proven only against the relaxation's bound (1.0 s)
+    assert plan.gap == pytest.approx(0.1 / 1.1) and plan.status == Status.FEASIBLE
+
+
 def test_a_relaxed_solve_without_a_plan_leaves_the_rest_of_the_time_to_the_copies(
         monkeypatch, caplog):
     # Without a warm start, the program without the copies has a share of the time; when it
