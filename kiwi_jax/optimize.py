@@ -485,14 +485,22 @@ class OptimizedStep:
         percentage).
 
         With the fused memory model, the reference plan compiled for a percentage says which
-        values XLA stores: the problem solved is rebuilt with them charged
-        (:func:`kiwi_jax.problem.with_stored`)."""
+        values XLA stores: the problem is rebuilt with them charged
+        (:func:`kiwi_jax.problem.with_stored`), and the plan solved, or the reference plan
+        when it runs, is predicted on it."""
         cache, key = self._cache(traced, build)
         plan = cache.load(key, build.problem.names) if cache is not None else None
         if plan is not None:
             return plan, True, build, None
         options = self.options
         budget, reference = self._budget_bytes(traced, build, abstract, compiled)
+        if reference is not None:
+            charged = with_stored(build, stored_op_names(
+                compiled[reference.fingerprint].compiled.as_text()), carried_pairs(traced))
+            if charged is not build:           # the same decisions, predicted on it
+                build = charged
+                reference = plan_from_solution(build, reference.solution,
+                                               reference.budget_bytes)
         if (reference is not None and options.solver in HOLD_THE_REFERENCE
                 and compiled[reference.fingerprint].memory.peak_bytes <= budget):
             # No plan is faster than the fastest one with no memory limit. Solved under the
@@ -503,9 +511,6 @@ class OptimizedStep:
             log.info("%s: the reference plan compiles within the budget: running it",
                      self.__name__)
             return dataclasses.replace(reference, budget_bytes=budget), False, build, None
-        if reference is not None:
-            build = with_stored(build, stored_op_names(
-                compiled[reference.fingerprint].compiled.as_text()), carried_pairs(traced))
         try:
             return solve_plan(build, budget, options.solver, **options.solver_options()), \
                 False, build, None

@@ -424,6 +424,10 @@ def test_on_one_device_the_values_the_compiled_reference_stores_are_charged(mesh
         build_problem(graph, build.mesh, build.cluster).problem).peak_bytes
     compiled = int(prepared.plan.budget_bytes / 0.9)
     assert by_rules < reference <= compiled
+    # at 100% the reference plan runs, predicted on the rebuilt problem too
+    held = kiwi_jax.optimize(train_step, mesh=mesh_factory((1, 1)), memory_budget="100%",
+                             **FAST).lower(*args).plan
+    assert held.recomputed == () and held.predicted_peak_bytes == reference
 
 
 def test_a_percentage_is_of_the_reference_plans_compiled_memory(mesh_factory):
