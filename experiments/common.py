@@ -245,14 +245,12 @@ class PlanCompiler:
     def charge_stored(self, plan) -> None:
         """Compile ``plan`` and rebuild the problem with the values it stores charged
         (:func:`kiwi_jax.problem.with_stored`)."""
-        from hlo_tools.compiled import stored_op_names
         from kiwi_jax.apply import carried_pairs
         from kiwi_jax.compile import compile_plan
         from kiwi_jax.problem import with_stored
 
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
-        self.build = with_stored(self.build, stored_op_names(applied.compiled.as_text()),
-                                 carried_pairs(self.traced))
+        self.build = with_stored(self.build, applied.compiled, carried_pairs(self.traced))
 
     def compiled_memory(self, solution, budget: int) -> dict:
         """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the

@@ -47,7 +47,6 @@ import jax
 from flax import nnx
 
 import solvers
-from hlo_tools.compiled import stored_op_names
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
@@ -495,8 +494,8 @@ class OptimizedStep:
         options = self.options
         budget, reference = self._budget_bytes(traced, build, abstract, compiled)
         if reference is not None:
-            charged = with_stored(build, stored_op_names(
-                compiled[reference.fingerprint].compiled.as_text()), carried_pairs(traced))
+            charged = with_stored(build, compiled[reference.fingerprint].compiled,
+                                  carried_pairs(traced))
             if charged is not build:           # the same decisions, predicted on it
                 build = charged
                 reference = plan_from_solution(build, reference.solution,

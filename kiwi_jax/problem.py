@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from hlo_tools.compiled import stored_op_names
 from hlo_tools.graph import OpGraph
 from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
@@ -198,14 +199,14 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
                         fused)
 
 
-def with_stored(build: ProblemBuild, op_names, carried=()) -> ProblemBuild:
-    """``build`` rebuilt with the values a compiled step of its graph stores charged memory:
-    ``op_names`` are its stored values' (:func:`hlo_tools.compiled.stored_op_names`),
+def with_stored(build: ProblemBuild, compiled, carried=()) -> ProblemBuild:
+    """``build`` rebuilt with the values ``compiled`` (a compiled step of its graph, jax's
+    ``Compiled``) stores charged memory (:func:`hlo_tools.compiled.stored_op_names`),
     ``carried`` as for :func:`build_problem`. A build of the operator model, which charges
-    every value already, is returned as it is."""
+    every value already, is returned as it is, without reading the compiled module."""
     if build.memory_model != "fused":
         return build
-    stored = compiler_stored(build.graph, op_names)
+    stored = compiler_stored(build.graph, stored_op_names(compiled.as_text()))
     log.info("the compiled step stores %d values the fusion rules fuse",
              int((stored & build.fused).sum()))
     return build_problem(build.graph, build.mesh, build.cluster, memory_model="fused",
