@@ -128,8 +128,34 @@ def tag_of(op_name: str) -> str | None:
 
 
 def trace_flat(fn, *args):
-    """The closed jaxpr of ``fn`` at ``args`` (abstract or concrete)."""
-    return jax.make_jaxpr(fn)(*args)
+    """The closed jaxpr of ``fn`` at ``args`` (abstract or concrete), with a step that is one
+    ``jit`` call (``@jax.jit``, ``@nnx.jit`` on the train step) replaced by the call's body.
+
+    Only top-level equations (and those of unrolled scans) are recompute units
+    (:func:`is_unit`): in a jitted step none would be, and the plan's recomputations would not
+    be applied. The decorator compiles the step itself, so the user's ``jit`` adds nothing.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    while len(closed.jaxpr.eqns) == 1 and closed.jaxpr.eqns[0].primitive.name in ("jit", "pjit"):
+        closed = _inline_call(closed)
+    return closed
+
+
+def _inline_call(closed):
+    """``closed``, whose one equation is a call, with the call's body in its place (the
+    body's equations keep their name stacks, so phases and layers are unchanged)."""
+    eqn = closed.jaxpr.eqns[0]
+    body = eqn.params["jaxpr"]
+
+    def inlined(*args):
+        env = dict(zip(closed.jaxpr.constvars, closed.consts))
+        env.update(zip(closed.jaxpr.invars, args))
+        read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
+        outs = jax_core.eval_jaxpr(body.jaxpr, body.consts, *[read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in closed.jaxpr.outvars]
+
+    return jax.make_jaxpr(inlined)(*[v.aval for v in closed.jaxpr.invars])
 
 
 def is_backward(name_stack: str) -> bool:

@@ -4,6 +4,8 @@ tie (a barrier's outputs that nothing reads are dropped, and with them the tie).
 
 import jax
 import numpy as np
+import pytest
+from flax import nnx
 from jax.extend.core import Literal
 
 import kiwi_jax
@@ -28,9 +30,12 @@ def _attention_probabilities(closed) -> dict[str, int]:
             and e.outvars[0] in read_by_backward}
 
 
-def test_recomputed_attention_probabilities_are_not_held_from_the_forward_pass():
+@pytest.mark.parametrize("jitted", [False, True], ids=["step", "nnx.jit-step"])
+def test_recomputed_attention_probabilities_are_not_held_from_the_forward_pass(jitted):
+    # a jitted step traces to one call, whose body's equations are planned and recomputed
+    # like an unjitted step's (before, none of them was a recompute unit)
     step, args = zoo.make("vit", abstract=True, seed=0)
-    pure = functionalize(step, args)
+    pure = functionalize(nnx.jit(step) if jitted else step, args)
     closed = trace_flat(pure.fn, *pure.args)
     dropped = _attention_probabilities(closed)
     assert len(dropped) == 3                              # one per layer
