@@ -93,7 +93,7 @@ def _norm(path) -> tuple:
     return tuple(str(c) for c in path)
 
 
-def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: str,
+def with_block_policy(train_step, args, style: str, paths: list[tuple], policy,
                       constrain=None):
     """``train_step`` with every block at ``paths`` under ``jax.checkpoint(policy=...)`` while
     it is traced (see the module docstring); ``policy="none"`` without ``constrain`` returns
@@ -103,6 +103,9 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
       args: the step's original arguments (NNX objects or Linen pytrees).
       style: ``"nnx"`` or ``"linen"`` (:attr:`kiwi_jax.step.PureStep.style`).
       paths: :func:`block_paths`.
+      policy: one of :data:`POLICIES` for every block, or a sequence with a
+        ``jax.checkpoint`` policy (a callable) per path (an exported plan's, see
+        :mod:`kiwi_jax.export`).
       constrain: applied to each block's first argument and to every array of its output
         (a sharding constraint on the activations at block boundaries, as hand-written
         recipes put one); None: none.
@@ -111,10 +114,19 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
       BlockPolicyError: no blocks in the parameter tree; the traced step then raises it too
         when no block module was called.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    if policy == "none" and (constrain is None or not paths):
-        return train_step
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: expected one of "
+                             f"{', '.join(POLICIES)}")
+        if policy == "none" and (constrain is None or not paths):
+            return train_step
+        named = getattr(jax.checkpoint_policies, policy) if policy != "none" else None
+        policies = [named] * len(paths)
+    else:
+        policies = list(policy)
+        if len(policies) != len(paths):
+            raise ValueError(f"expected one policy per block, got {len(policies)} for "
+                             f"{len(paths)} blocks")
     if not paths:
         raise BlockPolicyError(
             "found no repeated blocks in the parameter tree (expected two or more consecutive "
@@ -122,20 +134,18 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy: 
             "there is nothing to put under a per-block policy; use the recipe's policy 'none', "
             "or put jax.checkpoint(policy=...) (nn.remat / nnx.remat) in the model where it "
             "should apply")
-    checkpoint_policy = getattr(jax.checkpoint_policies, policy) if policy != "none" else None
     while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
         train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
-    wanted = {_norm(p) for p in paths}
+    wanted = {_norm(p): chosen for p, chosen in zip(paths, policies)}
     positions = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
 
     def step(*call_args):
         calls: list = []
         if style == "nnx":
-            context = _nnx_blocks([call_args[i] for i in positions], wanted,
-                                  checkpoint_policy, calls, constrain)
+            context = _nnx_blocks([call_args[i] for i in positions], wanted, calls,
+                                  constrain)
         else:
-            context = nn.intercept_methods(_linen_interceptor(wanted, checkpoint_policy, calls,
-                                                              constrain))
+            context = nn.intercept_methods(_linen_interceptor(wanted, calls, constrain))
         with context:
             result = train_step(*call_args)
         if not calls:
@@ -155,25 +165,27 @@ attributes but not identities."""
 
 
 @contextlib.contextmanager
-def _nnx_blocks(objects, wanted: set, policy, calls: list, constrain=None):
-    """NNX: the block classes' ``__call__`` under ``nnx.remat`` for the block instances (the
-    trace's own objects, merged from the state, are marked; the user's are not touched)."""
+def _nnx_blocks(objects, wanted: dict, calls: list, constrain=None):
+    """NNX: the block classes' ``__call__`` under ``nnx.remat`` with each block's policy
+    (``wanted``: block path -> policy or None) for the block instances (the trace's own
+    objects, merged from the state, are marked with their path; the user's are not touched)."""
     classes = set()
     for root in objects:
         for path, node in nnx.iter_graph(root):
             if _norm(path) in wanted and isinstance(node, nnx.Module):
-                setattr(node, _MARK, True)
+                setattr(node, _MARK, _norm(path))
                 classes.add(type(node))
     saved = {cls: cls.__dict__.get("__call__") for cls in classes}
 
     def patched(original):
-        rematted = nnx.remat(original, policy=policy) if policy is not None else original
-
         def call(self, *a, **k):
-            if getattr(self, _MARK, False):
-                calls.append(type(self).__name__)
-                return _constrained(rematted, constrain)(self, *a, **k)
-            return original(self, *a, **k)
+            block = getattr(self, _MARK, None)
+            if block is None or block not in wanted:
+                return original(self, *a, **k)
+            calls.append(type(self).__name__)
+            policy = wanted[block]
+            rematted = nnx.remat(original, policy=policy) if policy is not None else original
+            return _constrained(rematted, constrain)(self, *a, **k)
         return call
 
     try:
@@ -200,18 +212,20 @@ def _constrained(fn, constrain):
     return call
 
 
-def _linen_interceptor(wanted: set, policy, calls: list, constrain=None):
-    """Linen: the block modules' ``__call__`` (by scope path) under ``nn.checkpoint``."""
+def _linen_interceptor(wanted: dict, calls: list, constrain=None):
+    """Linen: the block modules' ``__call__`` (by scope path) under ``nn.checkpoint`` with each
+    block's policy (``wanted``: block path -> policy or None)."""
     active: list = []
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         scope = getattr(module, "scope", None)
         path = _norm(scope.path) if scope is not None else None
-        if context.method_name != "__call__" or path is None or \
-                not any(w[-len(path):] == path for w in wanted if len(path) <= len(w)) or \
-                (active and active[-1] == path):
+        block = None if context.method_name != "__call__" or path is None else next(
+            (w for w in wanted if len(path) <= len(w) and w[-len(path):] == path), None)
+        if block is None or (active and active[-1] == path):
             return next_fun(*args, **kwargs)
+        policy = wanted[block]
         calls.append(path)
         active.append(path)
         try:
