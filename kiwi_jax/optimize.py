@@ -54,6 +54,7 @@ from kiwi_jax.choose import KIWI, Choice, choose, compile_recipes, parse_recipes
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.estimate import compiled_cost
+from kiwi_jax.export import PlanExport, export_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
@@ -597,6 +598,22 @@ class OptimizedStep:
         if png is not None and self.plan is not None:
             plot_memory_timeline(prepared.build, self.plan, png)
         return text
+
+    def export(self) -> PlanExport:
+        """kiwi's plan of the last call's argument shapes for a step written by hand: the
+        arguments' PartitionSpecs by path and a ``jax.checkpoint`` policy per layer
+        (:mod:`kiwi_jax.export`).
+
+        Raises:
+          RuntimeError: kiwi has no plan for the budget (a recipe runs: its own specs and
+            policy are what to write).
+        """
+        if self.plan is None:
+            raise RuntimeError(f"kiwi has no plan to export for this budget; the recipe "
+                               f"{self.choice.winner!r} runs: write that recipe's shardings and "
+                               "per-block policy (kiwi_jax.recipes)")
+        prepared = self.prepared
+        return export_plan(prepared.traced, prepared.build, self.plan, self.options.mesh)
 
     def verify(self, *args, steps: int = 3,
                explain_memory: bool | None = None) -> VerifyReport:

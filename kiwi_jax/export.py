@@ -1,0 +1,331 @@
+"""A plan handed to someone who does not use the decorator: the arguments' PartitionSpecs by
+path, and per layer a ``jax.checkpoint`` policy that saves what the plan keeps.
+
+The decorator applies a plan to the differentiated step, value by value
+(:mod:`kiwi_jax.interpret`). A hand-written step has two places to put it instead: the jitted
+step's input shardings, and a ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) around each
+block with a policy. The export gives both:
+
+- ``specs``: the plan's ``PartitionSpec`` for every leaf of the step's arguments, by path
+  (``0/0/blocks/0/attn/query/kernel/value`` for the NNX state ``nnx.split((model,
+  optimizer))``, ``1/tokens`` for a batch), and :meth:`PlanExport.shardings` as the pytree of
+  ``NamedSharding``\\ s ``jax.jit(in_shardings=...)`` takes;
+- per layer, the values a ``jax.checkpoint`` policy must save so that the block's backward pass
+  reads what the plan keeps and recomputes the rest: the forward values the plan keeps that the
+  backward pass (or a recomputation) reads, and that the compiler stores (a value the fusion
+  rules, :func:`hlo_tools.liveness.fused_values`, fuse into its readers is left to be recomputed
+  inside the backward fusion, as XLA does with it anyway). A value the model names with
+  ``jax.ad_checkpoint.checkpoint_name`` is saved by its name, as
+  ``jax.checkpoint_policies.save_only_these_names`` does; any other by its operation: the
+  primitive, its operands' shapes and its parameters, which is all a policy is shown of an
+  equation. Two values of one block with the same operation (a query and a key projection of
+  one shape) cannot be told apart that way; where the plan keeps one and recomputes the other,
+  both are saved and the layer lists the operation as ambiguous: naming the values in the
+  model removes the ambiguity.
+
+The policy acts on the model before differentiation and recomputes a whole block's dropped
+values at the start of its backward pass, where the decorator recomputes each right before its
+first reader; and inside the block XLA's sharding propagation decides the layout where the
+decorator constrains every value. The two steps are not the same program, and their compiled
+memory differs (measured in docs/apply.md, "Exporting a plan").
+
+References:
+  JAX's ``jax.checkpoint`` policies (``save_only_these_names``); MaxText's named remat
+  policies (``checkpoint_name`` on a block's projections, a policy naming those to keep).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+from typing import Callable
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from hlo_tools.graph import Phase
+from hlo_tools.liveness import fused_values, held_operands
+from hlo_tools.lower import argument_paths
+from kiwi_jax.apply import TracedStep, fused_followers
+from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of
+from kiwi_jax.plan import Plan
+from kiwi_jax.problem import ProblemBuild
+from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
+from kiwi_jax.recipe_specs import state_leaves
+from kiwi_jax.sharding import to_partition_spec
+
+__all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation"]
+
+
+def operation(primitive: str, avals, params: dict) -> str:
+    """How a policy tells equations apart: the primitive, its operands' types and shapes and
+    its parameters other than sub-programs (``dot_general(f32[8,16],f32[16,64]){...}``)."""
+    operands = ",".join(f"{a.dtype}[{','.join(str(d) for d in a.shape)}]"
+                        for a in avals if hasattr(a, "shape"))
+    kept = {k: v for k, v in params.items()
+            if not hasattr(v, "eqns") and not hasattr(v, "jaxpr") and not callable(v)}
+    return f"{primitive}({operands}){{{', '.join(f'{k}={kept[k]!r}' for k in sorted(kept))}}}"
+
+
+def _operation_of(eqn) -> str:
+    return operation(eqn.primitive.name, [v.aval for v in eqn.invars], eqn.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPolicy:
+    """What one layer's ``jax.checkpoint`` saves."""
+
+    layer: int
+    """The layer (the graph's numbering)."""
+    block: tuple
+    """The block module's path in the parameter tree (``('blocks', '3')``); ``()`` when the
+    blocks are not separate modules (layers stacked for a scan)."""
+    names: tuple[str, ...]
+    """``checkpoint_name`` names of the values saved."""
+    operations: tuple[str, ...]
+    """:func:`operation`\\ s of the unnamed values saved."""
+    saved_bytes: int
+    """Bytes of the values the plan keeps for the backward pass, as the graph counts them."""
+    recomputed: int
+    """Forward values the backward pass (or a recomputation) reads that the policy recomputes:
+    those the plan recomputes, and those the fusion rules fuse."""
+    ambiguous: tuple[str, ...] = ()
+    """Operations saved although the plan recomputes a value with that operation (it keeps
+    another one with it)."""
+
+    def policy(self) -> Callable:
+        """A ``jax.checkpoint`` policy saving this layer's names and operations."""
+        names, operations = frozenset(self.names), frozenset(self.operations)
+
+        def policy(prim, *avals, **params):
+            if prim.name == "name":
+                return params.get("name") in names
+            return operation(prim.name, avals, params) in operations
+        return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanExport:
+    """A plan as a hand-written step takes it (see the module docstring)."""
+
+    axis_names: tuple[str, ...]
+    """The mesh axes the specs name."""
+    specs: dict
+    """``path -> PartitionSpec`` for every leaf of the step's (functionalized) arguments."""
+    layers: tuple[LayerPolicy, ...]
+    """Per layer, in order, its checkpoint policy."""
+    arg_tree: object = dataclasses.field(default=None, compare=False, repr=False)
+    """Pytree structure of the arguments (for :meth:`shardings`)."""
+
+    def shardings(self, mesh, *args) -> tuple:
+        """``NamedSharding`` pytrees for the step's arguments, ``jax.jit``'s ``in_shardings``:
+        in the structure of ``args`` when given (``(state, batch)`` with ``state =
+        nnx.split((model, optimizer))[1]`` for NNX; a Linen step's own arguments: a
+        ``TrainState`` carries its ``apply_fn`` in its structure), else of the arguments the
+        plan was made for.
+
+        Raises:
+          ValueError: a mesh with other axis names than the plan's; ``args`` whose leaves are
+            not the plan's (another model, or a state split in another order).
+        """
+        if tuple(mesh.axis_names) != tuple(self.axis_names):
+            raise ValueError(f"the plan's specs name the mesh axes {self.axis_names}; got a mesh "
+                             f"with {tuple(mesh.axis_names)}")
+        tree = self.arg_tree
+        if args:
+            paths, tree = _leaf_paths(args), jax.tree.structure(args)
+            if paths != list(self.specs):
+                wrong = next((f"{a!r} where the plan has {b!r}" for a, b in
+                              zip(paths, self.specs) if a != b),
+                             f"{len(paths)} leaves where the plan has {len(self.specs)}")
+                raise ValueError(f"these arguments are not the ones the plan was made for: "
+                                 f"{wrong}")
+        leaves = [NamedSharding(mesh, spec) for spec in self.specs.values()]
+        return tuple(jax.tree.unflatten(tree, leaves))
+
+    def policy(self, layer: int | None = None) -> Callable:
+        """Layer ``layer``'s policy; with None, the policy of every layer, when they are one
+        (layers the solver tied are).
+
+        Raises:
+          ValueError: layers that save different values, with None; an unknown layer.
+        """
+        if layer is not None:
+            found = [p for p in self.layers if p.layer == layer]
+            if not found:
+                raise ValueError(f"no layer {layer}: the plan has layers "
+                                 f"{[p.layer for p in self.layers]}")
+            return found[0].policy()
+        kinds = {(p.names, p.operations) for p in self.layers}
+        if len(kinds) != 1:
+            raise ValueError(f"the plan's {len(self.layers)} layers save {len(kinds)} different "
+                             "sets of values: take each block's with policy(layer=i)")
+        return self.layers[0].policy()
+
+    def apply(self, train_step, args) -> Callable:
+        """``train_step`` with every block under its layer's policy while it is traced (the
+        model is not edited; :func:`kiwi_jax.recipe_remat.with_block_policy`).
+
+        Raises:
+          BlockPolicyError: the blocks are not separate modules (layers stacked for a scan):
+            put ``jax.checkpoint(policy=export.policy())`` around the scanned body instead.
+        """
+        blocks = [p for p in self.layers if p.block]
+        if not blocks:
+            raise BlockPolicyError(
+                "the plan's layers are not separate block modules (stacked for a scan?): put "
+                "jax.checkpoint(policy=export.policy()) (nnx.remat / nn.remat) around the "
+                "scanned body in the model instead")
+        style = "nnx" if any(nnx.graph.is_graph_node(a) for a in args) else "linen"
+        return with_block_policy(train_step, args, style, [p.block for p in blocks],
+                                 [p.policy() for p in blocks])
+
+    def table(self) -> str:
+        """Per layer: what its policy saves, and what it recomputes."""
+        lines = []
+        for p in self.layers:
+            lines.append(f"layer {p.layer} {'/'.join(map(str, p.block)) or '(no block module)'}: saves "
+                         f"{len(p.names)} named + {len(p.operations)} unnamed values "
+                         f"({p.saved_bytes:,} B), recomputes {p.recomputed}"
+                         + (f"; {len(p.ambiguous)} ambiguous" if p.ambiguous else ""))
+            if p.names:
+                lines.append(f"  names: {', '.join(p.names)}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The export as JSON (specs as lists of axis names per dimension)."""
+        return json.dumps({
+            "axis_names": list(self.axis_names),
+            "specs": {path: [list(a) if isinstance(a, tuple) else a for a in spec]
+                      for path, spec in self.specs.items()},
+            "layers": [dataclasses.asdict(p) for p in self.layers]}, indent=1)
+
+
+def _leaf_paths(args) -> list[str]:
+    """Per leaf of ``args``, its path (``0/0/blocks/0/attn/query/kernel/value``)."""
+    return ["/".join(str(c) for c in p[1:]) for p in argument_paths(*args)]
+
+
+def _equation(jaxpr, path: str):
+    """The equation at an interpreter path (``12``, ``12s4_3``)."""
+    eqn = None
+    for index, _ in re.findall(r"(\d+)(s\d+)?", path):
+        eqn = jaxpr.eqns[int(index)]
+        body = scan_body(eqn) or inlined_call(eqn)
+        jaxpr = body[0] if body else None
+    return eqn
+
+
+def _unit(key: tuple | None, op_name: str) -> tuple | None:
+    """``(path, output index)`` of the recompute unit a node is (``key``, its equation output)
+    or is inside (from its ``op_name``'s tag; index None), None when untagged."""
+    if key is not None and is_unit(key[0]):
+        return key
+    path = tag_of(op_name) if key is None else key[0]
+    while path and not is_unit(path):
+        path = path.rpartition("_")[0]
+    return (path, None) if path else None
+
+
+def _output_operations(eqn) -> list[str]:
+    """The operations a policy sees for ``eqn``'s outputs: its own, or, for a call JAX
+    partially evaluates equation by equation (``jit``), those of the body's equations that
+    produce the call's outputs."""
+    body = inlined_call(eqn)
+    if body is None:
+        return [_operation_of(eqn)]
+    made = {v: e for e in body[0].eqns for v in e.outvars}
+    out = []
+    for var in body[0].outvars:
+        if var in made:
+            out += _output_operations(made[var])
+    return out
+
+
+def _names(closed) -> dict:
+    """``(path, output index) -> name`` of the values a ``checkpoint_name`` names, at the top
+    level and in unrolled scan bodies (the interpreter's paths)."""
+    out = {}
+
+    def visit(jaxpr, prefix):
+        made = {}
+        for index, eqn in enumerate(jaxpr.eqns):
+            path = f"{prefix}_{index}" if prefix else str(index)
+            for k, var in enumerate(eqn.outvars):
+                made[var] = (path, k)
+            if eqn.primitive.name == "name" and eqn.invars[0] in made:
+                out[made[eqn.invars[0]]] = eqn.params["name"]
+            scan = scan_body(eqn)
+            if scan is not None:
+                for i in range(scan[2]):
+                    visit(scan[0], f"{path}s{i}")
+    visit(closed.jaxpr, "")
+    return out
+
+
+def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> PlanExport:
+    """The export of ``plan``, solved on ``build`` for ``traced`` on ``mesh``."""
+    graph = traced.graph
+    names = tuple(mesh.axis_names)
+    specs = {path: to_partition_spec(plan.specs[node], names)
+             for path, node in zip(_leaf_paths(traced.pure.args), graph.parameters)}
+
+    recompute = {int(n) for n in plan.recomputed}
+    if build.memory_model == "fused":     # as the decorator applies it (kiwi_jax.compile)
+        recompute |= fused_followers(graph, fused_values(graph), recompute)
+        fused = build.fused               # less what the compiled reference stores
+    else:
+        fused = fused_values(graph)
+    # what the backward pass (and each recomputation) reads once XLA fused what it fuses
+    held = held_operands(graph, fused)
+    read_back = sorted({v for w in graph.nodes if w.phase != Phase.FORWARD or w.id in recompute
+                        for v in held[w.id]})
+    named, paths = _names(traced.closed), traced.node_paths()
+    saved = collections.defaultdict(lambda: (set(), set()))
+    dropped = collections.defaultdict(lambda: (set(), set()))
+    saved_bytes, recomputed = collections.Counter(), collections.Counter()
+    for node in read_back:
+        value = graph.nodes[node]
+        unit = _unit(paths.get(node), value.op_name)
+        if value.layer < 0 or value.phase != Phase.FORWARD or unit is None:
+            continue
+        keep = node not in recompute
+        by_name, by_operation = (saved if keep else dropped)[value.layer]
+        if unit in named:
+            by_name.add(named[unit])
+        else:
+            by_operation.update(_output_operations(_equation(traced.closed.jaxpr, unit[0])))
+        if keep:
+            saved_bytes[value.layer] += value.shape.nbytes
+        else:
+            recomputed[value.layer] += 1
+    blocks = _blocks(traced)
+    layers = []
+    for layer in sorted(set(saved) | set(dropped)):
+        kept_names, kept_ops = saved[layer]
+        layers.append(LayerPolicy(
+            layer, blocks.get(layer, ()), tuple(sorted(kept_names)), tuple(sorted(kept_ops)),
+            saved_bytes[layer], recomputed[layer],
+            tuple(sorted(kept_ops & dropped[layer][1]))))
+    return PlanExport(names, specs, tuple(layers), jax.tree.structure(traced.pure.args))
+
+
+def _blocks(traced: TracedStep) -> dict[int, tuple]:
+    """``layer -> block module path``: the blocks of the parameter tree
+    (:func:`kiwi_jax.recipe_remat.block_paths`), each numbered by the layer of the graph's
+    parameters under it."""
+    leaves = state_leaves(traced.pure)
+    out = {}
+    for block in block_paths(leaves, traced.pure.args):
+        key = tuple(str(c) for c in block)
+        layers = {traced.graph.nodes[traced.graph.parameters[i]].layer
+                  for i, k in enumerate(leaves.param_key)
+                  if k is not None and tuple(str(c) for c in k[:len(key)]) == key}
+        layers.discard(-1)
+        if len(layers) == 1:
+            out[layers.pop()] = block
+    return out
+
