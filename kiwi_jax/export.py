@@ -44,7 +44,7 @@ from typing import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hlo_tools.graph import Phase
 from hlo_tools.liveness import fused_values, held_operands
@@ -95,6 +95,16 @@ class LayerPolicy:
     ambiguous: tuple[str, ...] = ()
     """Operations saved although the plan recomputes a value with that operation (it keeps
     another one with it)."""
+    boundary: tuple | None = None
+    """The plan's ``PartitionSpec`` of the layer's input activation (the largest forward value
+    from outside the layer that it reads), which :meth:`PlanExport.apply` puts on the block's
+    input and outputs; None: the layer reads none."""
+
+    @property
+    def needs_checkpoint(self) -> bool:
+        """Whether the layer recomputes anything: one that does not runs as written, with no
+        ``jax.checkpoint`` (whose barriers would only cost fusion)."""
+        return self.recomputed > 0
 
     def policy(self) -> Callable:
         """A ``jax.checkpoint`` policy saving this layer's names and operations."""
@@ -165,9 +175,12 @@ class PlanExport:
                              "sets of values: take each block's with policy(layer=i)")
         return self.layers[0].policy()
 
-    def apply(self, train_step, args) -> Callable:
-        """``train_step`` with every block under its layer's policy while it is traced (the
-        model is not edited; :func:`kiwi_jax.recipe_remat.with_block_policy`).
+    def apply(self, train_step, args, mesh=None) -> Callable:
+        """``train_step`` with every block that recomputes something under its layer's policy
+        while it is traced (the model is not edited;
+        :func:`kiwi_jax.recipe_remat.with_block_policy`); with ``mesh``, each block's input
+        and outputs (those of the input's rank) constrained to the layer's boundary spec, where
+        XLA's propagation would otherwise lay out the activations alone.
 
         Raises:
           BlockPolicyError: the blocks are not separate modules (layers stacked for a scan):
@@ -181,7 +194,9 @@ class PlanExport:
                 "scanned body in the model instead")
         style = "nnx" if any(nnx.graph.is_graph_node(a) for a in args) else "linen"
         return with_block_policy(train_step, args, style, [p.block for p in blocks],
-                                 [p.policy() for p in blocks])
+                                 [p.policy() if p.needs_checkpoint else None for p in blocks],
+                                 [None if mesh is None or p.boundary is None
+                                  else _constraint(mesh, p.boundary) for p in blocks])
 
     def table(self) -> str:
         """Per layer: what its policy saves, and what it recomputes."""
@@ -202,6 +217,17 @@ class PlanExport:
             "specs": {path: [list(a) if isinstance(a, tuple) else a for a in spec]
                       for path, spec in self.specs.items()},
             "layers": [dataclasses.asdict(p) for p in self.layers]}, indent=1)
+
+
+def _constraint(mesh, spec):
+    """A sharding constraint to ``spec`` on arrays of its rank (others pass unchanged)."""
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+
+    def constrain(x):
+        if getattr(x, "ndim", None) != len(spec):
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return constrain
 
 
 def _leaf_paths(args) -> list[str]:
@@ -302,15 +328,44 @@ def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> Pl
             saved_bytes[value.layer] += value.shape.nbytes
         else:
             recomputed[value.layer] += 1
-    blocks = _blocks(traced)
+    blocks, inputs = _blocks(traced), _layer_inputs(graph)
     layers = []
     for layer in sorted(set(saved) | set(dropped)):
         kept_names, kept_ops = saved[layer]
+        boundary = None if layer not in inputs else \
+            tuple(to_partition_spec(plan.specs[inputs[layer]], names))
         layers.append(LayerPolicy(
             layer, blocks.get(layer, ()), tuple(sorted(kept_names)), tuple(sorted(kept_ops)),
             saved_bytes[layer], recomputed[layer],
-            tuple(sorted(kept_ops & dropped[layer][1]))))
+            tuple(sorted(kept_ops & dropped[layer][1])), boundary))
     return PlanExport(names, specs, tuple(layers), jax.tree.structure(traced.pure.args))
+
+
+def _layer_inputs(graph) -> dict[int, int]:
+    """``layer -> node``: the layer's input activation, the largest forward value from outside
+    the layer that its forward operators read and that has the dimensions of one the layer
+    hands on (a residual stream; not a mask made once for every layer)."""
+    def crossing(reader, value) -> bool:
+        return (reader.phase == value.phase == Phase.FORWARD and value.layer != reader.layer
+                and bool(value.shape.dims))
+
+    handed_on: dict[int, set] = {}
+    for node in graph.nodes:
+        for o in node.operands:
+            value = graph.nodes[o]
+            if value.layer >= 0 and crossing(node, value):
+                handed_on.setdefault(value.layer, set()).add(value.shape.dims)
+    out: dict[int, int] = {}
+    for node in graph.nodes:
+        if node.layer < 0:
+            continue
+        for o in node.operands:
+            value = graph.nodes[o]
+            if crossing(node, value) and value.shape.dims in handed_on.get(node.layer, ()) \
+                    and (node.layer not in out
+                         or value.shape.nbytes > graph.nodes[out[node.layer]].shape.nbytes):
+                out[node.layer] = o
+    return out
 
 
 def _blocks(traced: TracedStep) -> dict[int, tuple]:

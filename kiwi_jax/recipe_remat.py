@@ -108,7 +108,7 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy,
         :mod:`kiwi_jax.export`).
       constrain: applied to each block's first argument and to every array of its output
         (a sharding constraint on the activations at block boundaries, as hand-written
-        recipes put one); None: none.
+        recipes put one), or a sequence of those (or None) per path; None: none.
 
     Raises:
       BlockPolicyError: no blocks in the parameter tree; the traced step then raises it too
@@ -136,16 +136,17 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy,
             "should apply")
     while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
         train_step = train_step.__wrapped__        # (jit's cache would skip the policy)
-    wanted = {_norm(p): chosen for p, chosen in zip(paths, policies)}
+    constraints = list(constrain) if isinstance(constrain, (list, tuple)) \
+        else [constrain] * len(paths)
+    wanted = {_norm(p): (chosen, c) for p, chosen, c in zip(paths, policies, constraints)}
     positions = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
 
     def step(*call_args):
         calls: list = []
         if style == "nnx":
-            context = _nnx_blocks([call_args[i] for i in positions], wanted, calls,
-                                  constrain)
+            context = _nnx_blocks([call_args[i] for i in positions], wanted, calls)
         else:
-            context = nn.intercept_methods(_linen_interceptor(wanted, calls, constrain))
+            context = nn.intercept_methods(_linen_interceptor(wanted, calls))
         with context:
             result = train_step(*call_args)
         if not calls:
@@ -165,9 +166,9 @@ attributes but not identities."""
 
 
 @contextlib.contextmanager
-def _nnx_blocks(objects, wanted: dict, calls: list, constrain=None):
+def _nnx_blocks(objects, wanted: dict, calls: list):
     """NNX: the block classes' ``__call__`` under ``nnx.remat`` with each block's policy
-    (``wanted``: block path -> policy or None) for the block instances (the trace's own
+    (``wanted``: block path -> (policy or None, constrain or None)) for the block instances (the trace's own
     objects, merged from the state, are marked with their path; the user's are not touched)."""
     classes = set()
     for root in objects:
@@ -183,7 +184,7 @@ def _nnx_blocks(objects, wanted: dict, calls: list, constrain=None):
             if block is None or block not in wanted:
                 return original(self, *a, **k)
             calls.append(type(self).__name__)
-            policy = wanted[block]
+            policy, constrain = wanted[block]
             rematted = nnx.remat(original, policy=policy) if policy is not None else original
             return _constrained(rematted, constrain)(self, *a, **k)
         return call
@@ -212,9 +213,9 @@ def _constrained(fn, constrain):
     return call
 
 
-def _linen_interceptor(wanted: dict, calls: list, constrain=None):
+def _linen_interceptor(wanted: dict, calls: list):
     """Linen: the block modules' ``__call__`` (by scope path) under ``nn.checkpoint`` with each
-    block's policy (``wanted``: block path -> policy or None)."""
+    block's policy (``wanted``: block path -> (policy or None, constrain or None))."""
     active: list = []
 
     def interceptor(next_fun, args, kwargs, context):
@@ -225,7 +226,7 @@ def _linen_interceptor(wanted: dict, calls: list, constrain=None):
             (w for w in wanted if len(path) <= len(w) and w[-len(path):] == path), None)
         if block is None or (active and active[-1] == path):
             return next_fun(*args, **kwargs)
-        policy = wanted[block]
+        policy, constrain = wanted[block]
         calls.append(path)
         active.append(path)
         try:
