@@ -145,6 +145,9 @@ class PlanExport:
             raise ValueError(f"the plan's specs name the mesh axes {self.axis_names}; got a mesh "
                              f"with {tuple(mesh.axis_names)}")
         tree = self.arg_tree
+        if tree is None and not args:
+            raise ValueError("an export read from JSON knows its arguments' paths, not their "
+                             "pytree: pass them, shardings(mesh, state, batch)")
         if args:
             paths, tree = _leaf_paths(args), jax.tree.structure(args)
             if paths != list(self.specs):
@@ -217,6 +220,22 @@ class PlanExport:
             "specs": {path: [list(a) if isinstance(a, tuple) else a for a in spec]
                       for path, spec in self.specs.items()},
             "layers": [dataclasses.asdict(p) for p in self.layers]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> PlanExport:
+        """An export read back from :meth:`to_json` (its :meth:`shardings` then need the
+        arguments)."""
+        data = json.loads(text)
+        entry = lambda a: tuple(a) if isinstance(a, list) else a  # noqa: E731
+        layers = []
+        for p in data["layers"]:
+            boundary = None if p["boundary"] is None else tuple(entry(a) for a in p["boundary"])
+            layers.append(LayerPolicy(
+                p["layer"], tuple(p["block"]), tuple(p["names"]), tuple(p["operations"]),
+                p["saved_bytes"], p["recomputed"], tuple(p["ambiguous"]), boundary))
+        return cls(tuple(data["axis_names"]),
+                   {path: PartitionSpec(*[entry(a) for a in spec])
+                    for path, spec in data["specs"].items()}, tuple(layers))
 
 
 def _constraint(mesh, spec):

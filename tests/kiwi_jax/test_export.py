@@ -112,6 +112,10 @@ def test_the_exported_specs_are_the_applied_steps_input_shardings():
     assert all(layer.boundary is not None and len(layer.boundary) == 3
                for layer in export.layers)
 
+    again = PlanExport.from_json(export.to_json())
+    assert again == export
+    assert [s.spec for s in jax.tree.leaves(again.shardings(mesh, state, tokens))] == \
+        [s.spec for s in ours]
     with pytest.raises(ValueError, match="mesh axes"):
         export.shardings(jax.make_mesh((1, 1), ("x", "y"), devices=jax.devices()[:1]))
     _, other = zoo.make("vit")
