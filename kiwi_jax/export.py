@@ -205,7 +205,8 @@ class PlanExport:
         """Per layer: what its policy saves, and what it recomputes."""
         lines = []
         for p in self.layers:
-            lines.append(f"layer {p.layer} {'/'.join(map(str, p.block)) or '(no block module)'}: saves "
+            block = "/".join(map(str, p.block)) or "(no block module)"
+            lines.append(f"layer {p.layer} {block}: saves "
                          f"{len(p.names)} named + {len(p.operations)} unnamed values "
                          f"({p.saved_bytes:,} B), recomputes {p.recomputed}"
                          + (f"; {len(p.ambiguous)} ambiguous" if p.ambiguous else ""))

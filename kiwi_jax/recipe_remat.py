@@ -168,8 +168,9 @@ attributes but not identities."""
 @contextlib.contextmanager
 def _nnx_blocks(objects, wanted: dict, calls: list):
     """NNX: the block classes' ``__call__`` under ``nnx.remat`` with each block's policy
-    (``wanted``: block path -> (policy or None, constrain or None)) for the block instances (the trace's own
-    objects, merged from the state, are marked with their path; the user's are not touched)."""
+    (``wanted``: block path -> (policy or None, constrain or None)) for the block instances
+    (the trace's own objects, merged from the state, are marked with their path; the user's
+    are not touched)."""
     classes = set()
     for root in objects:
         for path, node in nnx.iter_graph(root):

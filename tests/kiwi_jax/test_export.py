@@ -145,9 +145,9 @@ def test_a_layer_policy_saves_exactly_its_names_and_operations(capsys):
         return jnp.sum(jax.ad_checkpoint.checkpoint_name(jnp.cos(h), "c") @ w)
 
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
-    dot = operation("dot_general", [x, w], dict(dimension_numbers=(((1,), (0,)), ((), ())),
-                                               precision=None, preferred_element_type=np.dtype("float32"),
-                                               out_sharding=None))
+    dot = operation("dot_general", [x, w], {
+        "dimension_numbers": (((1,), (0,)), ((), ())), "precision": None,
+        "preferred_element_type": np.dtype("float32"), "out_sharding": None})
     policy = LayerPolicy(0, (), ("c",), (dot,), 0, 0).policy()
     jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(f, policy=policy), x, w)
     saved = capsys.readouterr().out
