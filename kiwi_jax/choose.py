@@ -141,7 +141,9 @@ class Choice:
         counted = f"{fitting} of {len(self.recipes)} recipes fit"
         best = self.best
         if self.runs_recipe:
-            return (f"recipe {best.name} runs: est. {_ms(best.step_seconds)} at "
+            what = (f"kiwi's plan as per-block jax.checkpoint policies ({best.name})"
+                    if best.name.startswith(f"{KIWI}/") else f"recipe {best.name}")
+            return (f"{what} runs: est. {_ms(best.step_seconds)} at "
                     f"{_mib(best.compiled_bytes)}{self._kiwi()} ({budget}; {counted})")
         if self.kiwi_bytes is None:
             return (f"nothing runs: kiwi has no plan for the budget and none of the "

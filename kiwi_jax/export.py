@@ -50,14 +50,21 @@ from hlo_tools.graph import Phase
 from hlo_tools.liveness import fused_values, held_operands
 from hlo_tools.lower import argument_paths
 from kiwi_jax.apply import TracedStep, fused_followers
+from kiwi_jax.compile import CompiledPlan, compiler_options, jit_step
 from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
 from kiwi_jax.recipe_specs import state_leaves
 from kiwi_jax.sharding import to_partition_spec
+from kiwi_jax.step import carried_state, functionalize
 
-__all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation"]
+__all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
+           "CHECKPOINTED"]
+
+CHECKPOINTED = "kiwi/checkpoint"
+"""The name, among the steps the compiler chooses from (:mod:`kiwi_jax.choose`), of kiwi's plan
+run as its export: each block under its layer's ``jax.checkpoint`` policy."""
 
 
 def operation(primitive: str, avals, params: dict) -> str:
@@ -237,6 +244,26 @@ class PlanExport:
         return cls(tuple(data["axis_names"]),
                    {path: PartitionSpec(*[entry(a) for a in spec])
                     for path, spec in data["specs"].items()}, tuple(layers))
+
+
+def compile_exported(train_step, args: tuple, mesh, export: PlanExport,
+                     donate: bool = True) -> CompiledPlan:
+    """The step a user writes with ``export`` (:meth:`PlanExport.apply` with the boundary
+    constraints, the exported input shardings, the state donated and keeping its layout),
+    compiled as the decorator compiles a plan (abstract ``args`` are enough).
+
+    Raises:
+      BlockPolicyError: the blocks are not separate modules.
+    """
+    pure = functionalize(export.apply(train_step, args, mesh), args)
+    shardings = export.shardings(mesh, *pure.args)
+    outputs = jax.eval_shape(pure.fn, *pure.args)
+    state_out = carried_state(pure, outputs)
+    jitted, out_shardings = jit_step(pure.fn, shardings, (None,) * len(outputs), state_out,
+                                     donate)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure.args)
+    compiled = jitted.lower(*abstract).compile(compiler_options=compiler_options())
+    return CompiledPlan(tuple(shardings), tuple(out_shardings), state_out, jitted, compiled)
 
 
 def _constraint(mesh, spec):

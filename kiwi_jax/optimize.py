@@ -50,16 +50,18 @@ import solvers
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
-from kiwi_jax.choose import KIWI, Choice, choose, compile_recipes, parse_recipes
+from kiwi_jax.choose import (KIWI, Choice, RecipeRow, choose, compile_recipes,
+                             parse_recipes)
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, export_plan
+from kiwi_jax.export import CHECKPOINTED, PlanExport, compile_exported, export_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, with_stored
+from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
@@ -290,8 +292,8 @@ class OptimizedStep:
                 plan_seconds, start = time.perf_counter() - start, time.perf_counter()
             if recipes:
                 budget = infeasible.budget_bytes if plan is None else plan.budget_bytes
-                choice, recipe = self._choose(abstract, build, applied, recipes, budget,
-                                              infeasible)
+                choice, recipe = self._choose(abstract, traced, build, plan, applied, recipes,
+                                              budget, infeasible)
                 if applied is None and recipe is None:
                     raise infeasible
             if not cached and recipe is None and plan.fit is not None and not plan.fit.fits:
@@ -305,19 +307,21 @@ class OptimizedStep:
                         compile_seconds=time.perf_counter() - start, cached=cached,
                         received=receives, choice=choice, recipe=recipe), key
 
-    def _choose(self, abstract: PureStep, build: ProblemBuild, applied: CompiledPlan | None,
-                recipes: tuple, budget: int,
+    def _choose(self, abstract: PureStep, traced: TracedStep, build: ProblemBuild,
+                plan: Plan | None, applied: CompiledPlan | None, recipes: tuple, budget: int,
                 infeasible: solvers.InfeasibleBudgetError | solvers.SolverTimeoutError | None
                 ) -> tuple[Choice, CompiledPlan | None]:
-        """The recipes compiled for the step and set against kiwi's compiled plan
-        (:func:`kiwi_jax.choose.choose`, priced with the problem's cluster); the winning
-        recipe's compiled step, or None when kiwi's plan runs (or nothing fits).
-        ``infeasible``: why kiwi has no plan (no plan under the budget, or none found in the
-        time limit), when it has none."""
+        """The recipes, and kiwi's plan run as its export (:data:`CHECKPOINTED`), compiled for
+        the step and set against kiwi's compiled plan (:func:`kiwi_jax.choose.choose`, priced
+        with the problem's cluster); the winner's compiled step, or None when kiwi's plan runs
+        (or nothing fits). ``infeasible``: why kiwi has no plan (no plan under the budget, or
+        none found in the time limit), when it has none."""
         options = self.options
         start = time.perf_counter()
         rows, steps = compile_recipes(self.train_step, step_arguments(abstract), options.mesh,
                                       recipes, budget, build.cluster, options.donate)
+        if plan is not None:
+            rows, steps = self._checkpointed(abstract, traced, build, plan, budget, rows, steps)
         kiwi_bytes = kiwi_seconds = None
         if applied is not None:
             kiwi_bytes = applied.memory.peak_bytes
@@ -332,6 +336,31 @@ class OptimizedStep:
             log.info("%s: %s; %d recipes compiled in %.1f s", self.__name__, choice.describe(),
                      len(rows), choice.compile_seconds)
         return choice, steps.get(choice.winner) if choice.winner != KIWI else None
+
+    def _checkpointed(self, abstract: PureStep, traced: TracedStep, build: ProblemBuild,
+                      plan: Plan, budget: int, rows: tuple, steps: dict) -> tuple[tuple, dict]:
+        """``rows`` and ``steps`` (:func:`kiwi_jax.choose.compile_recipes`'s) with kiwi's plan
+        run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`): not the
+        decorator's program, and on one device it compiled smaller than it on some zoo models
+        (docs/apply.md, "Exporting a plan"). Unchanged when no block recomputes anything."""
+        options = self.options
+        export = export_plan(traced, build, plan, options.mesh)
+        if not any(layer.needs_checkpoint and layer.block for layer in export.layers):
+            return rows, steps
+        start = time.perf_counter()
+        try:
+            compiled = compile_exported(self.train_step, step_arguments(abstract), options.mesh,
+                                        export, options.donate)
+        except BlockPolicyError as error:
+            return (*rows, RecipeRow(CHECKPOINTED, None, None, str(error))), steps
+        row = RecipeRow(CHECKPOINTED, compiled.memory.peak_bytes,
+                        compiled_cost(compiled.compiled, options.mesh,
+                                      build.cluster).step_seconds,
+                        compile_seconds=time.perf_counter() - start)
+        best = [r for r in rows if r.name in steps]
+        if row.fits(budget) and (not best or row.step_seconds < best[0].step_seconds):
+            steps = {CHECKPOINTED: compiled}
+        return (*rows, row), steps
 
     def _planned(self, traced, build, abstract, start):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
@@ -591,8 +620,12 @@ class OptimizedStep:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
                         f"so {self.options.solver!r} solved nothing\n{text}")
-            parts.append(f"kiwi's plan (not run: the recipe runs)\n{text}"
-                         if prepared.runs_recipe else text)
+            if prepared.choice is not None and prepared.choice.winner == CHECKPOINTED:
+                text = (f"kiwi's plan, run as its export (each block under its layer's "
+                        f"jax.checkpoint policy):\n{self.export().table()}\n{text}")
+            elif prepared.runs_recipe:
+                text = f"kiwi's plan (not run: the recipe runs)\n{text}"
+            parts.append(text)
         text = "\n\n".join(parts)
         print(text, file=file)
         if png is not None and self.plan is not None:

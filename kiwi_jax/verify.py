@@ -308,8 +308,11 @@ class VerifyReport:
     def _recipe_table(self) -> str:
         """A recipe's step: compiled figures only (a recipe has no prediction)."""
         m, cost = self.compiled_memory, self.compiled_cost
-        lines = [f"the step that runs is recipe {self.runs}'s (compiled; a recipe has no "
-                 "prediction to compare with)",
+        what = (f"kiwi's plan as its export ({self.runs}; compiled figures only: the plan's "
+                "prediction is of the decorator's program)" if self.runs.startswith("kiwi/")
+                else f"recipe {self.runs}'s (compiled; a recipe has no prediction to compare "
+                "with)")
+        lines = [f"the step that runs is {what}",
                  f"{'peak memory':28s} {self.compiled_peak_bytes / 2**20:10.3f} MiB   (budget "
                  f"{self.budget_bytes / 2**20:.3f} MiB, "
                  f"{'fits' if self.fits else 'DOES NOT FIT'})",

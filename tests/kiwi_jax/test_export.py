@@ -15,7 +15,7 @@ import kiwi_jax
 from experiments import zoo
 from hlo_tools.compiled import device_memory
 from kiwi_jax.compile import compiler_options
-from kiwi_jax.export import LayerPolicy, PlanExport, operation
+from kiwi_jax.export import CHECKPOINTED, LayerPolicy, PlanExport, operation
 from tests.kiwi_jax import named_model
 
 
@@ -164,3 +164,18 @@ def test_policy_of_every_layer_needs_layers_that_save_alike():
     assert export.policy(1)(name, name="b") and not export.policy(0)(name, name="b")
     with pytest.raises(ValueError, match="no layer 2"):
         export.policy(2)
+
+
+def test_the_compiler_chooses_the_plan_run_as_its_export_when_only_it_fits():
+    # the zoo ViT on one device at 90%: the decorator's step of kiwi's plan compiles to 1.052
+    # of the budget; the same plan as per-block jax.checkpoint policies to 0.985 of it
+    step, args = zoo.make("vit")
+    optimized = kiwi_jax.optimize(step, mesh=_mesh((1, 1)), memory_budget="90%",
+                                  cache_dir=False, recipes=("dp",))
+    prepared = optimized.lower(*args)
+    choice = prepared.choice
+    assert not choice.kiwi_fits and choice.winner == CHECKPOINTED
+    row = next(r for r in choice.recipes if r.name == CHECKPOINTED)
+    assert row.fits(choice.budget_bytes)
+    assert prepared.compiled is prepared.recipe.compiled
+    assert "kiwi's plan as per-block jax.checkpoint policies" in choice.describe()
