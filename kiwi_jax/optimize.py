@@ -341,11 +341,16 @@ class OptimizedStep:
                       plan: Plan, budget: int, rows: tuple, steps: dict) -> tuple[tuple, dict]:
         """``rows`` and ``steps`` (:func:`kiwi_jax.choose.compile_recipes`'s) with kiwi's plan
         run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`): not the
-        decorator's program, and on one device it compiled smaller than it on some zoo models
-        (docs/apply.md, "Exporting a plan"). Unchanged when no block recomputes anything."""
+        decorator's program: on one device it compiled smaller than it on some zoo models, and
+        on a mesh, where XLA's propagation lays out what the decorator constrains, faster on
+        some (docs/apply.md, "Exporting a plan"). Unchanged when the plan's layers are not
+        block modules, or on one device when no block recomputes anything (the export is then
+        the plain step)."""
         options = self.options
         export = export_plan(traced, build, plan, options.mesh)
-        if not any(layer.needs_checkpoint and layer.block for layer in export.layers):
+        blocks = [layer for layer in export.layers if layer.block]
+        if not blocks or (options.mesh.devices.size == 1
+                          and not any(layer.needs_checkpoint for layer in blocks)):
             return rows, steps
         start = time.perf_counter()
         try:
