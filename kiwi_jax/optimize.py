@@ -356,7 +356,12 @@ class OptimizedStep:
         try:
             compiled = compile_exported(self.train_step, step_arguments(abstract), options.mesh,
                                         export, options.donate)
-        except BlockPolicyError as error:
+        except Exception as error:  # noqa: BLE001 - an optional row: kiwi's own step stands
+            if not isinstance(error, BlockPolicyError):
+                log.warning("%s: kiwi's plan as its export (%s) did not compile, so it is not "
+                            "compared: %s: %s", self.__name__, CHECKPOINTED,
+                            type(error).__name__, str(error).splitlines()[0] if str(error)
+                            else "")
             return (*rows, RecipeRow(CHECKPOINTED, None, None, str(error))), steps
         row = RecipeRow(CHECKPOINTED, compiled.memory.peak_bytes,
                         compiled_cost(compiled.compiled, options.mesh,

@@ -17,6 +17,7 @@ import kiwi_jax
 import solvers
 from kiwi_jax import cli
 from kiwi_jax.choose import KIWI, Choice, RecipeRow, choose, parse_recipes
+from kiwi_jax.export import CHECKPOINTED
 from kiwi_jax.models import build
 from kiwi_jax.optimize import OptimizedStep
 from kiwi_jax.recipes import Recipe, all_recipes
@@ -92,7 +93,8 @@ def test_a_faster_recipe_runs_and_matches_the_plain_step(mesh24):
     assert prepared.runs_recipe and prepared.compiled is prepared.recipe.compiled
     assert step.plan is prepared.plan is not None          # kiwi's plan, which does not run
     assert choice.kiwi_bytes == prepared.applied.memory.peak_bytes and choice.kiwi_fits
-    (row,) = choice.recipes
+    row, exported = choice.recipes           # on a mesh, kiwi's plan as its export too
+    assert row.name == "tp" and exported.name == CHECKPOINTED
     assert row.fits(BUDGET) and row.step_seconds < choice.kiwi_step_seconds
     with open(os.devnull, "w") as sink:
         text = step.explain(file=sink)
