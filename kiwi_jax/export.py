@@ -21,13 +21,17 @@ block with a policy. The export gives both:
   equation. Two values of one block with the same operation (a query and a key projection of
   one shape) cannot be told apart that way; where the plan keeps one and recomputes the other,
   both are saved and the layer lists the operation as ambiguous: naming the values in the
-  model removes the ambiguity.
+  model removes the ambiguity;
+- per layer, the plan's spec of its input activation (``boundary``), which
+  :meth:`PlanExport.apply` puts on each block's input and outputs when given the mesh.
 
 The policy acts on the model before differentiation and recomputes a whole block's dropped
 values at the start of its backward pass, where the decorator recomputes each right before its
 first reader; and inside the block XLA's sharding propagation decides the layout where the
 decorator constrains every value. The two steps are not the same program, and their compiled
-memory differs (measured in docs/apply.md, "Exporting a plan").
+memory differs (measured in docs/apply.md, "Exporting a plan"). So the decorator compiles this
+one too (:func:`compile_exported`, :data:`CHECKPOINTED`) and lets the compiler choose
+(:mod:`kiwi_jax.choose`).
 
 References:
   JAX's ``jax.checkpoint`` policies (``save_only_these_names``); MaxText's named remat
