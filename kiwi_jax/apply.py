@@ -34,7 +34,7 @@ from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
 __all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint",
-           "carried_pairs"]
+           "carried_pairs", "recomputed_values", "fused_followers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +195,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     graph = traced.graph
     names = tuple(mesh.axis_names)
     sharding = lambda spec: NamedSharding(mesh, to_partition_spec(spec, names))  # noqa: E731
-    recompute_nodes = set(int(n) for n in recompute_nodes)
-    if fused is not None:
-        recompute_nodes |= fused_followers(graph, fused, recompute_nodes)
+    recompute_nodes = recomputed_values(graph, recompute_nodes, fused)
     constraints, recompute = {}, set()
     for (path, k), node in traced.representative.items():
         constraints[(path, k)] = sharding(specs[node])
@@ -244,6 +242,15 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     in_shardings = jax.tree.unflatten(arg_tree, [sharding(specs[p]) for p in graph.parameters])
     out_shardings = jax.tree.unflatten(traced.out_tree, [sharding(specs[o]) for o in graph.outputs])
     return fn, in_shardings, out_shardings
+
+
+def recomputed_values(graph, recompute_nodes, fused: np.ndarray | None = None) -> set[int]:
+    """The values the applied step recomputes: the plan's (``recompute_nodes``) and, with the
+    fused model's flags ``fused``, their :func:`fused_followers`."""
+    out = {int(n) for n in recompute_nodes}
+    if fused is not None:
+        out |= fused_followers(graph, fused, out)
+    return out
 
 
 def fused_followers(graph, fused: np.ndarray, recompute_nodes: set[int]) -> set[int]:

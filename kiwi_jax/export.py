@@ -30,8 +30,8 @@ values at the start of its backward pass, where the decorator recomputes each ri
 first reader; and inside the block XLA's sharding propagation decides the layout where the
 decorator constrains every value. The two steps are not the same program, and their compiled
 memory differs (measured in docs/apply.md, "Exporting a plan"). So the decorator compiles this
-one too (:func:`compile_exported`, :data:`CHECKPOINTED`) and lets the compiler choose
-(:mod:`kiwi_jax.choose`).
+one too (:func:`compile_exported`) and lets the compiler choose (:mod:`kiwi_jax.choose`,
+``CHECKPOINTED``).
 
 References:
   JAX's ``jax.checkpoint`` policies (``save_only_these_names``); MaxText's named remat
@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hlo_tools.graph import Phase
 from hlo_tools.liveness import fused_values, held_operands
 from hlo_tools.lower import argument_paths
-from kiwi_jax.apply import TracedStep, fused_followers
+from kiwi_jax.apply import TracedStep, recomputed_values
 from kiwi_jax.compile import CompiledPlan, compiler_options, jit_step
 from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of
 from kiwi_jax.plan import Plan
@@ -61,14 +61,9 @@ from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
 from kiwi_jax.recipe_specs import state_leaves
 from kiwi_jax.sharding import to_partition_spec
-from kiwi_jax.step import carried_state, functionalize
+from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
-__all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
-           "CHECKPOINTED"]
-
-CHECKPOINTED = "kiwi/checkpoint"
-"""The name, among the steps the compiler chooses from (:mod:`kiwi_jax.choose`), of kiwi's plan
-run as its export: each block under its layer's ``jax.checkpoint`` policy."""
+__all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported"]
 
 
 def operation(primitive: str, avals, params: dict) -> str:
@@ -265,8 +260,8 @@ def compile_exported(train_step, args: tuple, mesh, export: PlanExport,
     state_out = carried_state(pure, outputs)
     jitted, out_shardings = jit_step(pure.fn, shardings, (None,) * len(outputs), state_out,
                                      donate)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure.args)
-    compiled = jitted.lower(*abstract).compile(compiler_options=compiler_options())
+    compiled = jitted.lower(*abstract_arrays(pure.args)).compile(
+        compiler_options=compiler_options())
     return CompiledPlan(tuple(shardings), tuple(out_shardings), state_out, jitted, compiled)
 
 
@@ -346,16 +341,17 @@ def _names(closed) -> dict:
 def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> PlanExport:
     """The export of ``plan``, solved on ``build`` for ``traced`` on ``mesh``."""
     graph = traced.graph
-    names = tuple(mesh.axis_names)
-    specs = {path: to_partition_spec(plan.specs[node], names)
+    axes = tuple(mesh.axis_names)
+    specs = {path: to_partition_spec(plan.specs[node], axes)
              for path, node in zip(_leaf_paths(traced.pure.args), graph.parameters)}
 
-    recompute = {int(n) for n in plan.recomputed}
-    if build.memory_model == "fused":     # as the decorator applies it (kiwi_jax.compile)
-        recompute |= fused_followers(graph, fused_values(graph), recompute)
-        fused = build.fused               # less what the compiled reference stores
+    rules = fused_values(graph)
+    if build.memory_model == "fused":
+        # followers from the rules, as the decorator applies the plan (kiwi_jax.compile); what
+        # holds nothing from the build: the rules less what the compiled reference stores
+        recompute, fused = recomputed_values(graph, plan.recomputed, rules), build.fused
     else:
-        fused = fused_values(graph)
+        recompute, fused = recomputed_values(graph, plan.recomputed), rules
     # what the backward pass (and each recomputation) reads once XLA fused what it fuses
     held = held_operands(graph, fused)
     read_back = sorted({v for w in graph.nodes if w.phase != Phase.FORWARD or w.id in recompute
@@ -384,12 +380,12 @@ def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> Pl
     for layer in sorted(set(saved) | set(dropped)):
         kept_names, kept_ops = saved[layer]
         boundary = None if layer not in inputs else \
-            tuple(to_partition_spec(plan.specs[inputs[layer]], names))
+            tuple(to_partition_spec(plan.specs[inputs[layer]], axes))
         layers.append(LayerPolicy(
             layer, blocks.get(layer, ()), tuple(sorted(kept_names)), tuple(sorted(kept_ops)),
             saved_bytes[layer], recomputed[layer],
             tuple(sorted(kept_ops & dropped[layer][1])), boundary))
-    return PlanExport(names, specs, tuple(layers), jax.tree.structure(traced.pure.args))
+    return PlanExport(axes, specs, tuple(layers), jax.tree.structure(traced.pure.args))
 
 
 def _layer_inputs(graph) -> dict[int, int]:

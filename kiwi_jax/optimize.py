@@ -50,19 +50,19 @@ import solvers
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
-from kiwi_jax.choose import (KIWI, Choice, RecipeRow, choose, compile_recipes,
+from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
                              parse_recipes)
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import CHECKPOINTED, PlanExport, compile_exported, export_plan
+from kiwi_jax.export import PlanExport, compile_exported, export_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, with_stored
 from kiwi_jax.recipe_remat import BlockPolicyError
-from kiwi_jax.step import PureStep, functionalize, step_arguments
+from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS
 
@@ -185,11 +185,6 @@ def _signature(args) -> tuple:
                        for x in leaves)
 
 
-def _abstract(args):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                        if hasattr(x, "shape") else x, args)
-
-
 class OptimizedStep:
     """A train step with a plan per argument signature. Call it like the original step."""
 
@@ -252,7 +247,7 @@ class OptimizedStep:
             compared fits the budget.
         """
         options = self.options
-        abstract = PureStep(pure.fn, _abstract(pure.args), pure.style, pure.graphdef,
+        abstract = PureStep(pure.fn, abstract_arrays(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
         start = time.perf_counter()
         traced = trace_for_planning(abstract)
@@ -321,7 +316,7 @@ class OptimizedStep:
         rows, steps = compile_recipes(self.train_step, step_arguments(abstract), options.mesh,
                                       recipes, budget, build.cluster, options.donate)
         if plan is not None:
-            rows, steps = self._checkpointed(abstract, traced, build, plan, budget, rows, steps)
+            rows, steps = self._checkpointed(abstract, traced, build, plan, rows, steps)
         kiwi_bytes = kiwi_seconds = None
         if applied is not None:
             kiwi_bytes = applied.memory.peak_bytes
@@ -338,14 +333,15 @@ class OptimizedStep:
         return choice, steps.get(choice.winner) if choice.winner != KIWI else None
 
     def _checkpointed(self, abstract: PureStep, traced: TracedStep, build: ProblemBuild,
-                      plan: Plan, budget: int, rows: tuple, steps: dict) -> tuple[tuple, dict]:
+                      plan: Plan, rows: tuple, steps: dict) -> tuple[tuple, dict]:
         """``rows`` and ``steps`` (:func:`kiwi_jax.choose.compile_recipes`'s) with kiwi's plan
-        run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`): not the
-        decorator's program: on one device it compiled smaller than it on some zoo models, and
-        on a mesh, where XLA's propagation lays out what the decorator constrains, faster on
-        some (docs/apply.md, "Exporting a plan"). Unchanged when the plan's layers are not
-        block modules, or on one device when no block recomputes anything (the export is then
-        the plain step)."""
+        run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`), for
+        :func:`kiwi_jax.choose.choose` to weigh with the recipes. It is not the decorator's
+        program: on one device it compiled smaller than it on some zoo models, and on a mesh,
+        where XLA's propagation lays out what the decorator constrains, faster on some
+        (docs/apply.md, "Exporting a plan"). Unchanged when the plan's layers are not block
+        modules, or on one device when no block recomputes anything (the export is then the
+        plain step)."""
         options = self.options
         export = export_plan(traced, build, plan, options.mesh)
         blocks = [layer for layer in export.layers if layer.block]
@@ -367,10 +363,7 @@ class OptimizedStep:
                         compiled_cost(compiled.compiled, options.mesh,
                                       build.cluster).step_seconds,
                         compile_seconds=time.perf_counter() - start)
-        best = [r for r in rows if r.name in steps]
-        if row.fits(budget) and (not best or row.step_seconds < best[0].step_seconds):
-            steps = {CHECKPOINTED: compiled}
-        return (*rows, row), steps
+        return (*rows, row), {**steps, CHECKPOINTED: compiled}
 
     def _planned(self, traced, build, abstract, start):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;

@@ -32,7 +32,7 @@ from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
 from kiwi_jax.recipe_specs import (SHARDINGS, batch_axes, data_flow, parameters, recipe_specs,
                                    state_leaves)
-from kiwi_jax.step import PureStep, carried_state, functionalize
+from kiwi_jax.step import PureStep, abstract_arrays, carried_state, functionalize
 
 __all__ = ["Recipe", "RecipeStep", "RecipeResult", "BlockPolicyError", "SHARDINGS", "POLICIES",
            "all_recipes", "recipe_step", "data_parallel_step", "compile_recipe", "compare_recipes"]
@@ -228,11 +228,6 @@ class RecipeResult:
                 "compile_seconds": self.compile_seconds}
 
 
-def _abstract(args):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                        if hasattr(x, "shape") else x, args)
-
-
 def compile_recipe(train_step, args: tuple, mesh, recipe: Recipe | str,
                    cluster="v100-nvlink", options: dict | None = None,
                    donate: bool = True) -> RecipeResult:
@@ -248,7 +243,7 @@ def compile_recipe(train_step, args: tuple, mesh, recipe: Recipe | str,
     """
     start = time.perf_counter()
     step = recipe_step(train_step, args, mesh, recipe, donate=donate)
-    compiled = step.jitted.lower(*_abstract(step.pure.args)).compile(
+    compiled = step.jitted.lower(*abstract_arrays(step.pure.args)).compile(
         compiler_options={**compiler_options(), **(options or {})})
     return RecipeResult(step.recipe, device_memory(compiled),
                         compiled_cost(compiled, mesh, cluster), time.perf_counter() - start,

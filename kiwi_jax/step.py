@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-__all__ = ["PureStep", "functionalize", "carried_state", "step_arguments"]
+__all__ = ["PureStep", "functionalize", "carried_state", "step_arguments", "abstract_arrays"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +87,10 @@ def step_arguments(pure: PureStep) -> tuple:
     count = len(pure.module_positions) + len(pure.args) - 1
     return tuple(next(objects) if i in pure.module_positions else next(rest)
                  for i in range(count))
+
+
+def abstract_arrays(args):
+    """``args`` with every array replaced by its ``jax.ShapeDtypeStruct`` (to lower a step
+    without committing to where concrete arguments live)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                        if hasattr(x, "shape") else x, args)

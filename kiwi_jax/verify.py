@@ -28,6 +28,7 @@ from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at
                                 placements)
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import carried_pairs
+from kiwi_jax.choose import CHECKPOINTED
 from kiwi_jax.compile import Prepared, compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
@@ -309,7 +310,7 @@ class VerifyReport:
         """A recipe's step: compiled figures only (a recipe has no prediction)."""
         m, cost = self.compiled_memory, self.compiled_cost
         what = (f"kiwi's plan as its export ({self.runs}; compiled figures only: the plan's "
-                "prediction is of the decorator's program)" if self.runs.startswith("kiwi/")
+                "prediction is of the decorator's program)" if self.runs == CHECKPOINTED
                 else f"recipe {self.runs}'s (compiled; a recipe has no prediction to compare "
                 "with)")
         lines = [f"the step that runs is {what}",

@@ -16,8 +16,7 @@ import pytest
 import kiwi_jax
 import solvers
 from kiwi_jax import cli
-from kiwi_jax.choose import KIWI, Choice, RecipeRow, choose, parse_recipes
-from kiwi_jax.export import CHECKPOINTED
+from kiwi_jax.choose import CHECKPOINTED, KIWI, Choice, RecipeRow, choose, parse_recipes
 from kiwi_jax.models import build
 from kiwi_jax.optimize import OptimizedStep
 from kiwi_jax.recipes import Recipe, all_recipes

@@ -15,7 +15,8 @@ import kiwi_jax
 from experiments import zoo
 from hlo_tools.compiled import device_memory
 from kiwi_jax.compile import compiler_options
-from kiwi_jax.export import CHECKPOINTED, LayerPolicy, PlanExport, operation
+from kiwi_jax.choose import CHECKPOINTED
+from kiwi_jax.export import LayerPolicy, PlanExport, operation
 from tests.kiwi_jax import named_model
 
 
