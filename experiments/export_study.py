@@ -3,12 +3,14 @@
 For every zoo model, mesh and budget: the decorator plans, applies and compiles the step
 (``kiwi_jax.optimize``, as a user would); its plan is exported (``OptimizedStep.export``:
 the arguments' PartitionSpecs by path, a ``jax.checkpoint`` policy per layer) and put on the
-step from outside (``PlanExport.apply``: each block under its layer's policy), jitted with the
-exported input shardings, the state donated, and compiled. Per cell: both compiled peaks
+step from outside (``PlanExport.apply``: each block under its layer's policy, its boundary
+constrained), jitted with the exported input shardings, the state donated, and compiled
+(``kiwi_jax.export.compile_exported``, as the decorator compiles it to compare). Per cell:
+both compiled peaks
 (argument + output + temp - alias), their ratio and each against the budget, the plan's
 predicted peak, both compiled-cost estimates (``kiwi_jax.compiled_cost``: XLA's FLOPs and bytes,
 collectives priced with the cluster's figures), what the policies save and recompute, and the
-exported step's loss after one step against the plain jitted step's. Models whose layers run
+exported step's loss at its third step against the plain jitted step's. Models whose layers run
 in a scan cannot be wrapped from outside: their row is the error.
 
 Both steps are compiled with the decorator's compiler options (on the CPU backend, CSE would
@@ -39,20 +41,12 @@ from experiments import zoo  # noqa: E402
 from experiments.common import write_result  # noqa: E402
 from experiments.zoo_study import _error, _mesh  # noqa: E402
 from hlo_tools.compiled import device_memory  # noqa: E402
-from kiwi_jax.compile import compiler_options, jit_step  # noqa: E402
+from kiwi_jax.export import compile_exported  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 
 CLUSTER = "v100-nvlink"
 MODELS = ("llama", "vit", "mixer", "resnet", "encdec", "moe")
 """The zoo's models whose blocks are separate modules (the scanned ones cannot be wrapped)."""
-
-
-def _jitted(pure, shardings, state_out):
-    """``pure.fn`` jitted as the decorator jits a step: the state keeps its layout, donated."""
-    outputs = jax.eval_shape(pure.fn, *pure.args)
-    out = [None] * len(outputs) if isinstance(outputs, (tuple, list)) else None
-    jitted, _ = jit_step(pure.fn, tuple(shardings), tuple(out), state_out)
-    return jitted
 
 
 def _loss(result) -> float:
@@ -105,10 +99,8 @@ def cell(name: str, mesh_text: str, budget: str) -> dict:
         ambiguous=sum(len(p.ambiguous) for p in export.layers))
     try:
         step, concrete = zoo.make(name, abstract=False)
-        pure = functionalize(export.apply(step, concrete, mesh), concrete)
-        jitted = _jitted(pure, export.shardings(mesh, *pure.args), prepared.traced.state_out)
-        compiled = jitted.lower(*pure.args).compile(compiler_options=compiler_options())
-        exported = int(device_memory(compiled).peak_bytes)
+        applied = compile_exported(step, concrete, mesh, export)
+        compiled, exported = applied.compiled, int(applied.memory.peak_bytes)
         row.update(
             export_peak_bytes=exported,
             export_over_decorator=exported / row["decorator_peak_bytes"],
@@ -117,9 +109,8 @@ def cell(name: str, mesh_text: str, budget: str) -> dict:
             export_step_seconds=kiwi_jax.compiled_cost(compiled, mesh, CLUSTER).step_seconds)
         plain_step, plain_args = zoo.make(name, abstract=False)
         plain = functionalize(plain_step, plain_args)
-        state_out = prepared.traced.state_out
-        expected = _last_loss(jax.jit(plain.fn), plain.args, state_out)
-        got = _last_loss(compiled, pure.args, state_out)
+        expected = _last_loss(jax.jit(plain.fn), plain.args, applied.state_out)
+        got = _last_loss(compiled, functionalize(step, concrete).args, applied.state_out)
         row["loss_rel_diff"] = abs(got - expected) / max(abs(expected), 1e-30)
     except Exception as error:  # every failure is a row
         row.update(error=_error("export", error))
