@@ -24,7 +24,7 @@ import math
 import pathlib
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -380,6 +380,7 @@ def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[Li
 
 
 _NOT_STORED = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "constant"})
+_ALIASING = frozenset({"tuple", "get-tuple-element", "bitcast"})
 
 
 def _own_op_name(module, instr) -> str:
@@ -388,12 +389,85 @@ def _own_op_name(module, instr) -> str:
     return instr.op_name or (called.root.op_name if called else "")
 
 
-def stored_op_names(hlo_text: str) -> frozenset[str]:
-    """The ``op_name`` of every value an optimized module's entry computation stores (its
-    instructions other than parameters, tuples, bitcasts and constants; a fusion's is its
-    root's): the values XLA did not fuse into their readers. ``hlo_text``: the compiled
-    executable's ``as_text()``."""
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a compiled step holds under one group of ``op_name``: :func:`stored_bytes`."""
+
+    peak: int
+    """The most bytes held at once."""
+    across: int
+    """The bytes held across the split point, in values made before it and read after it (0
+    without one)."""
+
+
+def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: name,
+                 after: Callable[[str], bool | None] | None = None) -> dict[str, Held]:
+    """Per ``key(op_name)``, what an optimized, scheduled module's entry computation holds in
+    the values it stores under those names (its instructions other than parameters, tuples,
+    bitcasts and constants): the values XLA did not fuse into their readers, and what it makes
+    to compute them. An instruction's name is its own or its fused root's; one with none (what
+    XLA's expanders and copies add) takes its first operand's, or else its first reader's;
+    ``key`` groups names (``None``: left out). A value is held from its instruction to its
+    last reader in the schedule (through tuples, bitcasts and get-tuple-elements; a step
+    output to the end). ``after`` says of a name whether it belongs after the split point
+    (True), before it (False) or either (None): the split is where the instructions before
+    outnumber those after the most (XLA schedules some of the backward pass's instructions
+    among the forward pass's, and recomputes some forward values in the backward pass).
+
+    One equation can hold more than its value: on the CPU backend a norm's ``rsqrt(var) *
+    scale`` keeps both operands broadcast to the activation's shape for the backward pass,
+    and a max-pool's gradient pads its input and builds four index arrays of that size.
+    ``hlo_text``: the compiled executable's ``as_text()``."""
     module = parse_module(hlo_text)
-    return frozenset(name for instr in module.entry.instructions
-                     if instr.opcode not in _NOT_STORED
-                     for name in [_own_op_name(module, instr)] if name)
+    instructions = module.entry.instructions
+    entry = module.entry.by_name()
+    position = {instr.name: i for i, instr in enumerate(instructions)}
+    readers: dict[str, list[str]] = {}
+    for instr in instructions:
+        for operand in instr.operands:
+            readers.setdefault(operand, []).append(instr.name)
+    names: dict[str, str] = {}
+
+    def name_of(instr, seen=frozenset()) -> str:
+        """Its own name, or its first operand's, or its first reader's."""
+        if instr.name not in names:
+            seen = seen | {instr.name}
+            own = _own_op_name(module, instr)
+            for other in () if own else [*instr.operands[:1], *readers.get(instr.name, [])[:1]]:
+                if other in entry and other not in seen:
+                    own = name_of(entry[other], seen)
+                    if own:
+                        break
+            names[instr.name] = own
+        return names[instr.name]
+
+    def last_read(name: str) -> int:
+        """The last position reading ``name``'s buffer, through the instructions that alias it."""
+        last = len(instructions) if name == instructions[-1].name else position[name]
+        for reader in readers.get(name, []):
+            aliasing = entry[reader].opcode in _ALIASING
+            last = max(last, last_read(reader) if aliasing else position[reader])
+        return last
+
+    at = None
+    if after is not None:
+        sides = [after(_own_op_name(module, instr)) for instr in instructions]
+        lead = np.cumsum([0] + [{False: 1, True: -1}.get(side, 0) for side in sides])
+        at = int(np.argmax(lead))
+    events: dict[str, list[tuple[int, int]]] = {}
+    across: dict[str, int] = {}
+    for instr in instructions:
+        group = key(name_of(instr) or "") if instr.opcode not in _NOT_STORED else None
+        if group:
+            nbytes, first, last = instr.shape.nbytes, position[instr.name], last_read(instr.name)
+            events.setdefault(group, []).extend([(first, nbytes), (last + 1, -nbytes)])
+            if at is not None and first < at <= last:
+                across[group] = across.get(group, 0) + nbytes
+    out = {}
+    for group, changes in events.items():
+        held = most = 0
+        for _, change in sorted(changes):
+            held += change
+            most = max(most, held)
+        out[group] = Held(most, across.get(group, 0))
+    return out

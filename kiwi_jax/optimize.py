@@ -258,7 +258,8 @@ class OptimizedStep:
                 "backward and optimizer of a train step (use jax.grad / nnx.value_and_grad "
                 "inside it); for a forward-only function use jax.jit")
         build = build_problem(graph, MeshSpec.parse(options.mesh), Cluster.parse(options.cluster),
-                              memory_model=options.memory_model, carried=carried_pairs(traced))
+                              memory_model=options.memory_model, carried=carried_pairs(traced),
+                              donated=options.donate)
         key = self._key(traced, build)
         receives = processes is not None and options.share_plan and not processes.is_planner
         recipes = parse_recipes(options.recipes)

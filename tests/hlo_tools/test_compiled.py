@@ -13,8 +13,10 @@ from hlo_tools.compiled import (
     HloParseError,
     collectives,
     device_memory,
+    Held,
     live_at_peak,
     parse_replica_groups,
+    stored_bytes,
     summarize,
 )
 from hlo_tools.hlo_text import parse_module
@@ -268,3 +270,41 @@ def test_live_at_peak_names_the_buffers_and_their_operators():
     computed = [b for b in live if not b.parameter]
     assert computed and all(b.nbytes > 0 for b in computed)
     assert any("dot_general" in b.op_name or "transpose" in b.op_name for b in computed)
+
+
+# --- what a scheduled module holds -----------------------------------------
+
+_HELD = """HloModule m, is_scheduled=true
+
+ENTRY %m (p: f32[4]) -> (f32[4], f32[4]) {
+  %p = f32[4]{0} parameter(0), metadata={op_name="args[0]"}
+  %copy = f32[4]{0} copy(%p)
+  %a = f32[4]{0} exponential(%p), metadata={op_name="fwd/a"}
+  %b = f32[8]{0} broadcast(%a), dimensions={}, metadata={op_name="fwd/a"}
+  %c = f32[4]{0} slice(%b), slice={[0:4]}, metadata={op_name="fwd/c"}
+  %g = f32[4]{0} negate(%c), metadata={op_name="bwd/g"}
+  %i = s32[4]{0} iota(), iota_dimension=0
+  %h = f32[4]{0} add(%g, %a), metadata={op_name="bwd/h"}
+  %t = f32[4]{0} bitcast(%h)
+  %u = f32[4]{0} multiply(%t, %copy), metadata={op_name="bwd/u"}
+  ROOT %out = (f32[4]{0}, f32[4]{0}) tuple(%u, %i)
+}
+"""
+
+
+def test_stored_bytes_holds_each_value_to_its_last_reader():
+    held = stored_bytes(_HELD, after=lambda name: {"fwd": False, "bwd": True}.get(name[:3]))
+    # a (16 B) lives into the backward pass; b (32 B) only while c is made from it; c is
+    # read by the backward pass's first instruction
+    assert held["fwd/a"] == Held(peak=48, across=16)
+    assert held["fwd/c"] == Held(peak=16, across=16)
+    # the argument's copy has its operand's name and is read after the split, through nothing
+    assert held["args[0]"] == Held(peak=16, across=16)
+    # a value with neither a name nor an operand takes its first reader's: the output tuple
+    # has its first operand's, u's; both are outputs, held to the end
+    assert set(held) == {"fwd/a", "fwd/c", "args[0]", "bwd/g", "bwd/h", "bwd/u"}
+    assert held["bwd/u"] == Held(peak=32, across=0)
+    # h is held through its bitcast until u reads it
+    assert held["bwd/h"] == Held(peak=16, across=0)
+    # without a split nothing is held across it
+    assert stored_bytes(_HELD)["fwd/a"] == Held(peak=48, across=0)

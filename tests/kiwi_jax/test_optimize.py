@@ -20,6 +20,7 @@ from hlo_tools.liveness import fused_values
 from kiwi_jax.fit import FIT_COMPILES, FitStop
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
+from kiwi_jax.apply import carried_pairs
 from kiwi_jax.problem import build_problem
 from kiwi_jax.plan import Plan
 from hlo_tools.compiled import LiveBuffer, device_memory
@@ -408,26 +409,52 @@ def test_a_model_with_its_own_checkpoint_is_planned_and_keeps_it(mesh_factory):
 
 def test_on_one_device_the_values_the_compiled_reference_stores_are_charged(mesh_factory):
     # The fusion rules fuse values XLA stores (the ViT's residual adds, which a norm's
-    # reduction reads, and the norms' broadcasts): the problem solved for a percentage is
-    # rebuilt from the reference plan compiled for it, and predicts that plan nearer (at the
-    # zoo's size: in a smaller ViT the parameters and optimizer state make the peak).
+    # reduction reads, and the norms' broadcasts), some equations hold more than their value
+    # (a norm's rsqrt(var) * scale keeps both operands broadcast into the backward pass) or
+    # need room while they run (the attention's transposed copies): the problem solved for a
+    # percentage is rebuilt from the reference plan compiled for it, and predicts that plan
+    # within 10% (at the zoo's size; in a smaller ViT the parameters and optimizer state make
+    # the peak).
     train_step, args = zoo.make("vit")
     step = kiwi_jax.optimize(train_step, mesh=mesh_factory((1, 1)), memory_budget="90%",
                              **FAST)
     prepared = step.lower(*args)
     graph, build = prepared.traced.graph, prepared.build
+    problem = build.problem
     rules = fused_values(graph)
     assert build.memory_model == "fused" and not (build.fused & ~rules).any()
     assert (rules & ~build.fused).sum() >= 10
-    reference = solvers.reference_plan(build.problem).peak_bytes
+    sizes = np.array([n.nbytes for n in graph.nodes])
+    charged = np.array([m[0] for m in problem.memory])
+    assert (charged > sizes).sum() >= 6                       # the norms, at least
+    assert problem.gathered_of(np.zeros(problem.num_nodes, int)).sum() > 0   # no resharding
+    reference = solvers.reference_plan(problem).peak_bytes
     by_rules = solvers.reference_plan(
         build_problem(graph, build.mesh, build.cluster).problem).peak_bytes
     compiled = int(prepared.plan.budget_bytes / 0.9)
-    assert by_rules < reference <= compiled
+    assert by_rules < reference and abs(reference / compiled - 1) <= 0.10
     # at 100% the reference plan runs, predicted on the rebuilt problem too
     held = kiwi_jax.optimize(train_step, mesh=mesh_factory((1, 1)), memory_budget="100%",
                              **FAST).lower(*args).plan
     assert held.recomputed == () and held.predicted_peak_bytes == reference
+
+
+def test_donated_state_is_written_over_its_arguments(mesh_factory):
+    # XLA writes the new parameters and Adam moments into the donated state's buffers: counted
+    # beside the old ones, they made the one-device reference MLP's predicted peak 1.35x what
+    # it compiles to. Not donated, each is a buffer of its own.
+    ref = build("mlp", layers=2, width=128, in_dim=64, out_dim=64, batch=32)
+    args = (*ref.init(0), ref.batch(0))
+    steps = {donate: kiwi_jax.optimize(ref.train_step, mesh=mesh_factory((1, 1)),
+                                       memory_budget="100%", donate=donate, **FAST).lower(*args)
+             for donate in (True, False)}
+    for donate, prepared in steps.items():
+        problem, traced = prepared.build.problem, prepared.traced
+        values = [v for v, _ in carried_pairs(traced)]
+        assert values and prepared.build.donated == donate
+        assert all((problem.memory[v] == 0).all() == donate for v in values)
+        compiled = device_memory(prepared.compiled).peak_bytes
+        assert abs(prepared.plan.predicted_peak_bytes / compiled - 1) <= 0.10, donate
 
 
 def test_a_percentage_is_of_the_reference_plans_compiled_memory(mesh_factory):
