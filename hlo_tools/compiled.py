@@ -383,6 +383,17 @@ _NOT_STORED = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "
 _ALIASING = frozenset({"tuple", "get-tuple-element", "bitcast"})
 
 
+def _is_broadcast(module, instr) -> bool:
+    """A broadcast, or a fusion that only broadcasts (and bitcasts) its operand."""
+    if instr.opcode == "broadcast":
+        return True
+    called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+    return (instr.opcode == "fusion" and called is not None
+            and called.root.opcode == "broadcast"
+            and all(i.opcode in ("parameter", "bitcast", "reshape", "broadcast")
+                    for i in called.instructions))
+
+
 def _own_op_name(module, instr) -> str:
     """An instruction's ``op_name``, or its fused root's."""
     called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
@@ -401,7 +412,8 @@ class Held:
 
 
 def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: name,
-                 after: Callable[[str], bool | None] | None = None) -> dict[str, Held]:
+                 after: Callable[[str], bool | None] | None = None,
+                 broadcast_key: Callable[[str], str | None] | None = None) -> dict[str, Held]:
     """Per ``key(op_name)``, what an optimized, scheduled module's entry computation holds in
     the values it stores under those names (its instructions other than parameters, tuples,
     bitcasts and constants): the values XLA did not fuse into their readers, and what it makes
@@ -414,10 +426,11 @@ def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: 
     outnumber those after the most (XLA schedules some of the backward pass's instructions
     among the forward pass's, and recomputes some forward values in the backward pass).
 
-    One equation can hold more than its value: on the CPU backend a norm's ``rsqrt(var) *
-    scale`` keeps both operands broadcast to the activation's shape for the backward pass,
-    and a max-pool's gradient pads its input and builds four index arrays of that size.
-    ``hlo_text``: the compiled executable's ``as_text()``."""
+    A broadcast is held under the broadcast value's name: on the CPU backend a norm's
+    ``rsqrt(var) * scale`` keeps both operands broadcast to the activation's shape for the
+    backward pass, which recomputing the product does not free. One equation can hold more
+    than its value: a max-pool's gradient pads its input and builds four index arrays of
+    that size. ``hlo_text``: the compiled executable's ``as_text()``."""
     module = parse_module(hlo_text)
     instructions = module.entry.instructions
     entry = module.entry.by_name()
@@ -429,10 +442,11 @@ def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: 
     names: dict[str, str] = {}
 
     def name_of(instr, seen=frozenset()) -> str:
-        """Its own name, or its first operand's, or its first reader's."""
+        """Its own name, or its first operand's, or its first reader's; a broadcast's is the
+        broadcast value's."""
         if instr.name not in names:
             seen = seen | {instr.name}
-            own = _own_op_name(module, instr)
+            own = "" if _is_broadcast(module, instr) else _own_op_name(module, instr)
             for other in () if own else [*instr.operands[:1], *readers.get(instr.name, [])[:1]]:
                 if other in entry and other not in seen:
                     own = name_of(entry[other], seen)
@@ -457,7 +471,9 @@ def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: 
     events: dict[str, list[tuple[int, int]]] = {}
     across: dict[str, int] = {}
     for instr in instructions:
-        group = key(name_of(instr) or "") if instr.opcode not in _NOT_STORED else None
+        grouping = key if broadcast_key is None or not _is_broadcast(module, instr) \
+            else broadcast_key
+        group = grouping(name_of(instr) or "") if instr.opcode not in _NOT_STORED else None
         if group:
             nbytes, first, last = instr.shape.nbytes, position[instr.name], last_read(instr.name)
             events.setdefault(group, []).extend([(first, nbytes), (last + 1, -nbytes)])

@@ -276,7 +276,7 @@ def test_live_at_peak_names_the_buffers_and_their_operators():
 
 _HELD = """HloModule m, is_scheduled=true
 
-ENTRY %m (p: f32[4]) -> (f32[4], f32[4]) {
+ENTRY %m (p: f32[4]) -> (f32[4], f32[4], f32[2,4]) {
   %p = f32[4]{0} parameter(0), metadata={op_name="args[0]"}
   %copy = f32[4]{0} copy(%p)
   %a = f32[4]{0} exponential(%p), metadata={op_name="fwd/a"}
@@ -286,8 +286,10 @@ ENTRY %m (p: f32[4]) -> (f32[4], f32[4]) {
   %i = s32[4]{0} iota(), iota_dimension=0
   %h = f32[4]{0} add(%g, %a), metadata={op_name="bwd/h"}
   %t = f32[4]{0} bitcast(%h)
+  %s = f32[2,4]{1,0} broadcast(%p), dimensions={1}, metadata={op_name="bwd/s"}
   %u = f32[4]{0} multiply(%t, %copy), metadata={op_name="bwd/u"}
-  ROOT %out = (f32[4]{0}, f32[4]{0}) tuple(%u, %i)
+  %v = f32[2,4]{1,0} multiply(%s, %s), metadata={op_name="bwd/v"}
+  ROOT %out = (f32[4]{0}, f32[4]{0}, f32[2,4]{1,0}) tuple(%u, %i, %v)
 }
 """
 
@@ -298,13 +300,18 @@ def test_stored_bytes_holds_each_value_to_its_last_reader():
     # read by the backward pass's first instruction
     assert held["fwd/a"] == Held(peak=48, across=16)
     assert held["fwd/c"] == Held(peak=16, across=16)
-    # the argument's copy has its operand's name and is read after the split, through nothing
-    assert held["args[0]"] == Held(peak=16, across=16)
+    # the argument's copy has its operand's name and is read after the split
     # a value with neither a name nor an operand takes its first reader's: the output tuple
     # has its first operand's, u's; both are outputs, held to the end
-    assert set(held) == {"fwd/a", "fwd/c", "args[0]", "bwd/g", "bwd/h", "bwd/u"}
     assert held["bwd/u"] == Held(peak=32, across=0)
     # h is held through its bitcast until u reads it
     assert held["bwd/h"] == Held(peak=16, across=0)
+    # a broadcast is held under the broadcast value's name (bwd/s's under the argument's)
+    assert set(held) == {"fwd/a", "fwd/c", "args[0]", "bwd/g", "bwd/h", "bwd/u", "bwd/v"}
+    assert held["args[0]"] == Held(peak=48, across=16)
+    # ... or grouped apart: here the argument's copies are left out, its broadcasts kept
+    apart = stored_bytes(_HELD, key=lambda name: None if name.startswith("args") else name,
+                         broadcast_key=lambda name: name)
+    assert apart["args[0]"] == Held(peak=32, across=0)
     # without a split nothing is held across it
     assert stored_bytes(_HELD)["fwd/a"] == Held(peak=48, across=0)
