@@ -457,7 +457,7 @@ def stored_bytes(hlo_text: str, key: Callable[[str], str | None] = lambda name: 
 
     def last_read(name: str) -> int:
         """The last position reading ``name``'s buffer, through the instructions that alias it."""
-        last = len(instructions) if name == instructions[-1].name else position[name]
+        last = len(instructions) if name == module.entry.root.name else position[name]
         for reader in readers.get(name, []):
             aliasing = entry[reader].opcode in _ALIASING
             last = max(last, last_read(reader) if aliasing else position[reader])

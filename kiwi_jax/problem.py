@@ -254,7 +254,8 @@ def compiler_stored(graph: OpGraph, held: Mapping[str, Held]) -> Stored:
     largest of them, the latest among equals, and the others nothing. A forward value is held
     at what the compiler holds of its equation from the forward pass into the backward one,
     any other at its own size (never less than that); the rest of the most the compiler
-    holds at once is the node's workspace.
+    holds at once is the node's workspace. An argument is held with its broadcasts that the
+    compiler holds into the backward pass.
 
     XLA does not fuse every value the fusion rules (:func:`hlo_tools.liveness.fused_values`)
     would: on the one-device zoo ViT it stores the residual stream's adds read by a norm's
@@ -288,12 +289,13 @@ def compiler_stored(graph: OpGraph, held: Mapping[str, Held]) -> Stored:
 def compiled_held(graph: OpGraph, hlo_text: str) -> dict[str, Held]:
     """What a compiled step of ``graph`` (its optimized module's text) holds under each
     equation's tag (:func:`hlo_tools.compiled.stored_bytes`), split where the backward pass
-    starts.
+    starts; an argument's broadcasts under the argument's ``op_name``.
 
-    Not counted: the copies XLA makes of arguments (a kernel the backward pass reads after
-    its update is written in place, an image laid out for a convolution). Charged over the
-    step, they put the one-device fidelity study at 16 of 23 plans within 10% of the compiled
-    memory (median error 7.0%), against 18 of 24 (5.5%) without them."""
+    Not counted: the other copies XLA makes of arguments (a kernel the backward pass reads
+    after its update is written in place, an image laid out for a convolution). Charged over
+    the step, they put the one-device fidelity study at 16 of 23 plans within 10% of the
+    compiled memory (median error 7.0%), against 18 of 24 (5.5%) without them (measured
+    before broadcasts were held under the value they broadcast)."""
     phases = {tag_of(n.op_name): n.phase for n in graph.nodes}
     sides = {Phase.FORWARD: False, Phase.BACKWARD: True}
     arguments = {n.op_name for n in graph.nodes if n.phase == Phase.PARAM}
