@@ -78,9 +78,11 @@ def test_the_reference_plan_exports_a_policy_that_saves_every_named_value_read_b
 
 
 def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
+    # 92%: at 90% the model has no plan on one device (it counts the norms' broadcasts XLA
+    # holds whatever is recomputed); the plan at 92% recomputes 17 values per layer
     mesh = _mesh((1, 1))
     reference = _planned("100%", mesh).export()
-    optimized = _planned("90%", mesh)
+    optimized = _planned("92%", mesh)
     export = optimized.export()
     dropped = set(reference.layers[0].names) - set(export.layers[0].names)
     assert dropped and all(layer.recomputed > 0 for layer in export.layers)
