@@ -297,7 +297,7 @@ def placements(hlo_text: str, scope: str, anchor_tags: Iterable[str]) -> list[Pl
     schedule = module.entry.instructions
 
     def op_names(instr) -> list[str]:        # a fusion's own and its fused instructions'
-        called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+        called = _called(module, instr)
         return [instr.op_name, *(i.op_name for i in (called.instructions if called else ()))]
 
     names = [op_names(instr) for instr in schedule]
@@ -383,11 +383,16 @@ _NOT_STORED = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "
 _ALIASING = frozenset({"tuple", "get-tuple-element", "bitcast"})
 
 
+def _called(module, instr):
+    """The computation an instruction calls (a fusion's fused computation), or None."""
+    return module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+
+
 def _is_broadcast(module, instr) -> bool:
     """A broadcast, or a fusion that only broadcasts (and bitcasts) its operand."""
     if instr.opcode == "broadcast":
         return True
-    called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+    called = _called(module, instr)
     return (instr.opcode == "fusion" and called is not None
             and called.root.opcode == "broadcast"
             and all(i.opcode in ("parameter", "bitcast", "reshape", "broadcast")
@@ -396,7 +401,7 @@ def _is_broadcast(module, instr) -> bool:
 
 def _own_op_name(module, instr) -> str:
     """An instruction's ``op_name``, or its fused root's."""
-    called = module.computations.get(instr.attrs.get("calls", "").lstrip("%"))
+    called = _called(module, instr)
     return instr.op_name or (called.root.op_name if called else "")
 
 

@@ -265,16 +265,14 @@ def compiler_stored(graph: OpGraph, held: Mapping[str, Held]) -> Stored:
     broadcast to the activation's shape into the backward pass, and a max-pool's gradient
     pads its input and builds four index arrays of that size while it runs."""
     largest: dict[str, int] = {}
-    for node in graph.nodes:
-        tag = tag_of(node.op_name)
-        if tag in held and (tag not in largest
-                            or node.nbytes >= graph.nodes[largest[tag]].nbytes):
-            largest[tag] = node.id
     out = np.full(len(graph), -1, np.int64)
     workspace = np.zeros(len(graph), np.int64)
     for node in graph.nodes:
-        if tag_of(node.op_name) in largest:
+        tag = tag_of(node.op_name)
+        if tag in held:
             out[node.id] = 0
+            if tag not in largest or node.nbytes >= graph.nodes[largest[tag]].nbytes:
+                largest[tag] = node.id
     for tag, i in largest.items():
         node = graph.nodes[i]
         across = held[tag].across if node.phase == Phase.FORWARD else 0

@@ -17,10 +17,10 @@ import solvers
 from experiments import zoo
 from experiments.zoo import moe as zoo_moe
 from hlo_tools.liveness import fused_values
+from kiwi_jax.apply import carried_pairs
 from kiwi_jax.fit import FIT_COMPILES, FitStop
 from kiwi_jax.models import build
 from kiwi_jax.optimize import NotATrainStepError, OptimizedStep
-from kiwi_jax.apply import carried_pairs
 from kiwi_jax.problem import build_problem
 from kiwi_jax.plan import Plan
 from hlo_tools.compiled import LiveBuffer, device_memory
