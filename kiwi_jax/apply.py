@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding
 
 from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import argument_paths, lower_to_hlo
-from kiwi_jax.interpret import Interpreter, inlined_call, is_unit, scan_body, tag_of, trace_flat
+from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_order, scan_body, tag_of,
+                                trace_flat)
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
@@ -144,7 +145,7 @@ def trace_for_planning(pure: PureStep) -> TracedStep:
         return jax.tree.unflatten(out_tree, interpreter(*jax.tree.leaves(args)))
 
     text = lower_to_hlo(tagged, *pure.args)
-    graph = graph_from_text(text, argument_paths(*pure.args))
+    graph = graph_from_text(text, argument_paths(*pure.args), program_order)
     return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree,
                       fingerprint(text), carried_state(pure, outputs))
 

@@ -74,7 +74,7 @@ from jax._src import core as jax_core
 from jax._src import source_info_util
 
 __all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "is_unit",
-           "path_key", "INLINED_CALLS", "OVERLAP_SCOPE"]
+           "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
 
@@ -125,6 +125,15 @@ def tag_of(op_name: str) -> str | None:
     the metadata of several sources (``a;b``) the first, the instruction's own, counts."""
     found = _TAG.findall(op_name.split(";")[0])
     return found[-1] if found else None
+
+
+def program_order(op_name: str) -> tuple[int, ...] | None:
+    """Where an HLO instruction's equation runs in the interpreted step: the :func:`path_key`
+    of its :func:`tag_of` (None when untagged). The graph is numbered in this order
+    (``hlo_tools.graph.build_graph``'s ``order``), the order JAX traced the step in, not the
+    post order XLA prints."""
+    tag = tag_of(op_name)
+    return None if tag is None else path_key(tag)
 
 
 def trace_flat(fn, *args):

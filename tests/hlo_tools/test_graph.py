@@ -11,7 +11,7 @@ from hlo_tools.hlo_text import DTYPE_BITS, HloParseError, parse_module, parse_sh
 from hlo_tools.liveness import liveness
 from hlo_tools.lower import lower_to_graph, lower_to_hlo
 from kiwi_jax.frontend import trace_step
-from kiwi_jax.interpret import tag_of
+from kiwi_jax.interpret import program_order, tag_of
 from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
 
@@ -278,3 +278,31 @@ def test_liveness_sets_partition_the_nodes(gpt_graph):
 def test_lowering_allocates_nothing():
     text = lower_to_hlo(lambda x: x * 2, jax.ShapeDtypeStruct((1 << 30,), jnp.float32))
     assert "f32[1073741824]" in text and graph_from_text(text).nodes[-1].opcode == "multiply"
+
+
+_PRINTED_BY_OUTPUT = """HloModule printed
+ENTRY main {
+  x = f32[4]{0} parameter(0), metadata={op_name="x"}
+  w = f32[4]{0} parameter(1), metadata={op_name="w"}
+  late = f32[4]{0} multiply(x, x), metadata={op_name="jit(f)/k2/mul"}
+  early = f32[4]{0} add(x, w), metadata={op_name="jit(f)/k0/add"}
+  nameless = f32[4]{0} negate(early)
+  next = f32[4]{0} sine(nameless), metadata={op_name="jit(f)/k1/sin"}
+  ROOT out = (f32[4]{0}, f32[4]{0}) tuple(late, next)
+}
+"""
+
+
+def test_nodes_are_numbered_in_program_order_not_in_the_printed_post_order():
+    printed = graph_from_text(_PRINTED_BY_OUTPUT)
+    assert [n.name for n in printed.nodes] == ["x", "w", "late", "early", "nameless", "next"]
+    graph = graph_from_text(_PRINTED_BY_OUTPUT, order=program_order)
+    assert [n.name for n in graph.nodes] == ["x", "w", "early", "nameless", "next", "late"]
+    assert [graph.nodes[o].name for o in graph.nodes[-1].operands] == ["x", "x"]
+    assert graph.outputs == (5, 4)
+
+
+def test_a_traced_steps_nodes_follow_its_equations(gpt_graph):
+    keys = [program_order(n.op_name) for n in gpt_graph.nodes]
+    tagged = [k for k in keys if k is not None]
+    assert len(tagged) > len(keys) / 2 and tagged == sorted(tagged)
