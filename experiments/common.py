@@ -233,6 +233,7 @@ class PlanCompiler:
         from kiwi_jax.frontend import trace
         from kiwi_jax.problem import build_problem
 
+        self.train_step, self.args = train_step, args
         self.traced = trace(train_step, *args)
         self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
@@ -252,15 +253,27 @@ class PlanCompiler:
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
         self.build = with_stored(self.build, applied.compiled, carried_pairs(self.traced))
 
+    def compile(self, plan) -> tuple:
+        """``(CompiledPlan, program)``: ``plan`` applied and compiled as the decorator runs it,
+        on one device a plan that recomputes as its export (``program`` ``"blocks"``,
+        :func:`kiwi_jax.export.compile_as_blocks`), otherwise value by value (``"values"``)."""
+        from kiwi_jax.compile import compile_plan
+        from kiwi_jax.export import compile_as_blocks
+
+        applied = compile_as_blocks(self.train_step, self.args, self.traced, self.build, plan,
+                                    self.mesh)
+        if applied is not None:
+            return applied, "blocks"
+        return compile_plan(self.traced, self.build, plan, self.mesh, self.pure), "values"
+
     def compiled_memory(self, solution, budget: int) -> dict:
         """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the
-        solution applied and compiled, and whether it fits ``budget``."""
-        from kiwi_jax.compile import compile_plan
+        solution compiled as the decorator runs it (:meth:`compile`; ``program``), and
+        whether it fits ``budget``."""
         from kiwi_jax.plan import plan_from_solution
 
-        plan = plan_from_solution(self.build, solution, budget)
         start = time.perf_counter()
-        applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
+        applied, program = self.compile(plan_from_solution(self.build, solution, budget))
         peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
-                "compile_seconds": round(time.perf_counter() - start, 2)}
+                "program": program, "compile_seconds": round(time.perf_counter() - start, 2)}

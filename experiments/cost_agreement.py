@@ -50,7 +50,7 @@ from experiments.common import (TIED_MODELS, PlanCompiler, pyplot, results_path,
                                 save_figure, write_result)
 from hlo_tools.compiled import collectives  # noqa: E402
 from hlo_tools.kernels import kernels  # noqa: E402
-from kiwi_jax.compile import Prepared, compile_plan  # noqa: E402
+from kiwi_jax.compile import Prepared  # noqa: E402
 from kiwi_jax.estimate import compiled_cost  # noqa: E402
 from kiwi_jax.plan import attributed_comms, plan_from_solution, solve_plan  # noqa: E402
 from kiwi_jax.sharding import comm_seconds  # noqa: E402
@@ -76,7 +76,7 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     """Compile ``plan`` and set what the model predicts beside the compiled step."""
     build = compiler.build
     start = time.perf_counter()
-    applied = compile_plan(compiler.traced, build, plan, compiler.mesh, compiler.pure)
+    applied, program = compiler.compile(plan)
     compile_seconds = time.perf_counter() - start
     prepared = Prepared(compiler.traced, build, plan, applied, 0.0, compile_seconds, False)
     cost = compiled_cost(applied.compiled, compiler.mesh, build.cluster)
@@ -105,6 +105,7 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     bound = sum(k.flops / device.flops for k in kernels(applied.compiled.as_text())
                 if k.flops / device.flops >= k.bytes / device.memory_bandwidth)
     return {
+        "program": program,
         "predicted_step_seconds": predicted, "estimated_step_seconds": cost.step_seconds,
         "step_error": relative(predicted, cost.step_seconds),
         "predicted_compute_seconds": compute, "estimated_compute_seconds": cost.compute_seconds,

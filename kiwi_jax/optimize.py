@@ -55,7 +55,7 @@ from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, comp
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, compile_exported, export_plan
+from kiwi_jax.export import PlanExport, compile_as_blocks, compile_exported, export_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
@@ -338,16 +338,15 @@ class OptimizedStep:
         """``rows`` and ``steps`` (:func:`kiwi_jax.choose.compile_recipes`'s) with kiwi's plan
         run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`), for
         :func:`kiwi_jax.choose.choose` to weigh with the recipes. It is not the decorator's
-        program: on one device it compiled smaller than it on some zoo models, and on a mesh,
-        where XLA's propagation lays out what the decorator constrains, faster on some
-        (docs/apply.md, "Exporting a plan"). Unchanged when the plan's layers are not block
-        modules, or on one device when no block recomputes anything (the export is then the
-        plain step)."""
+        program on a mesh, where XLA's propagation lays out what the decorator constrains, and
+        it was faster on some zoo models (docs/apply.md, "Exporting a plan"). Unchanged when
+        the plan's layers are not block modules, and on one device, where kiwi's plan runs as
+        its export already when it recomputes (:meth:`_apply`)."""
         options = self.options
+        if options.mesh.devices.size == 1:
+            return rows, steps
         export = export_plan(traced, build, plan, options.mesh)
-        blocks = [layer for layer in export.layers if layer.block]
-        if not blocks or (options.mesh.devices.size == 1
-                          and not any(layer.needs_checkpoint for layer in blocks)):
+        if not any(layer.block for layer in export.layers):
             return rows, steps
         start = time.perf_counter()
         try:
@@ -402,9 +401,14 @@ class OptimizedStep:
 
     def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
                abstract: PureStep) -> CompiledPlan:
-        """The plan applied and compiled."""
-        return compile_plan(traced, build, plan, self.options.mesh, abstract,
-                            self.options.donate, self.options.overlap)
+        """The plan applied and compiled: on one device, as its export when it recomputes
+        (:func:`kiwi_jax.export.compile_as_blocks`), otherwise value by value
+        (:func:`kiwi_jax.compile.compile_plan`)."""
+        options = self.options
+        return compile_as_blocks(self.train_step, step_arguments(abstract), traced, build, plan,
+                                 options.mesh, options.donate) \
+            or compile_plan(traced, build, plan, options.mesh, abstract, options.donate,
+                            options.overlap)
 
     def _fit(self, traced, build, first: Plan | None,
              infeasible: solvers.InfeasibleBudgetError | None, abstract,
