@@ -253,27 +253,22 @@ class PlanCompiler:
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
         self.build = with_stored(self.build, applied.compiled, carried_pairs(self.traced))
 
-    def compile(self, plan) -> tuple:
-        """``(CompiledPlan, program)``: ``plan`` applied and compiled as the decorator runs it,
-        on one device a plan that recomputes as its export (``program`` ``"blocks"``,
-        :func:`kiwi_jax.export.compile_as_blocks`), otherwise value by value (``"values"``)."""
-        from kiwi_jax.compile import compile_plan
-        from kiwi_jax.export import compile_as_blocks
+    def compile(self, plan):
+        """``plan`` applied and compiled as the decorator runs it
+        (:func:`kiwi_jax.export.compile_applied`; its ``program`` says how)."""
+        from kiwi_jax.export import compile_applied
 
-        applied = compile_as_blocks(self.train_step, self.args, self.traced, self.build, plan,
-                                    self.mesh)
-        if applied is not None:
-            return applied, "blocks"
-        return compile_plan(self.traced, self.build, plan, self.mesh, self.pure), "values"
+        return compile_applied(self.train_step, self.args, self.traced, self.build, plan,
+                               self.mesh, self.pure)
 
     def compiled_memory(self, solution, budget: int) -> dict:
         """``compiled_peak_bytes`` (argument + output + temp - alias, per device) of the
-        solution compiled as the decorator runs it (:meth:`compile`; ``program``), and
+        solution compiled as the decorator runs it (:meth:`compile`; ``program``: how), and
         whether it fits ``budget``."""
         from kiwi_jax.plan import plan_from_solution
 
         start = time.perf_counter()
-        applied, program = self.compile(plan_from_solution(self.build, solution, budget))
+        applied = self.compile(plan_from_solution(self.build, solution, budget))
         peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
-                "program": program, "compile_seconds": round(time.perf_counter() - start, 2)}
+                "program": applied.program, "compile_seconds": round(time.perf_counter() - start, 2)}

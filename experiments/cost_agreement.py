@@ -76,7 +76,7 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     """Compile ``plan`` and set what the model predicts beside the compiled step."""
     build = compiler.build
     start = time.perf_counter()
-    applied, program = compiler.compile(plan)
+    applied = compiler.compile(plan)
     compile_seconds = time.perf_counter() - start
     prepared = Prepared(compiler.traced, build, plan, applied, 0.0, compile_seconds, False)
     cost = compiled_cost(applied.compiled, compiler.mesh, build.cluster)
@@ -105,7 +105,7 @@ def _measure(compiler: PlanCompiler, plan) -> dict:
     bound = sum(k.flops / device.flops for k in kernels(applied.compiled.as_text())
                 if k.flops / device.flops >= k.bytes / device.memory_bandwidth)
     return {
-        "program": program,
+        "program": applied.program,
         "predicted_step_seconds": predicted, "estimated_step_seconds": cost.step_seconds,
         "step_error": relative(predicted, cost.step_seconds),
         "predicted_compute_seconds": compute, "estimated_compute_seconds": cost.compute_seconds,

@@ -50,6 +50,10 @@ class CompiledPlan:
     """The applied step under ``jax.jit`` with the plan's shardings."""
     compiled: object
     """Its compiled executable."""
+    program: str = "values"
+    """How a plan was applied: ``"values"``, value by value (:func:`compile_plan`), or
+    ``"blocks"``, as its export, each block under its layer's ``jax.checkpoint`` policy
+    (:func:`kiwi_jax.export.compile_exported`)."""
 
     @property
     def memory(self) -> MemoryStats:

@@ -54,7 +54,7 @@ from hlo_tools.graph import Phase
 from hlo_tools.liveness import fused_values, held_operands
 from hlo_tools.lower import argument_paths
 from kiwi_jax.apply import TracedStep, recomputed_values
-from kiwi_jax.compile import CompiledPlan, compiler_options, jit_step
+from kiwi_jax.compile import CompiledPlan, compile_plan, compiler_options, jit_step
 from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
@@ -64,7 +64,7 @@ from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
 __all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
-           "compile_as_blocks"]
+           "compile_applied"]
 
 
 def operation(primitive: str, avals, params: dict) -> str:
@@ -263,32 +263,47 @@ def compile_exported(train_step, args: tuple, mesh, export: PlanExport,
                                      donate)
     compiled = jitted.lower(*abstract_arrays(pure.args)).compile(
         compiler_options=compiler_options())
-    return CompiledPlan(tuple(shardings), tuple(out_shardings), state_out, jitted, compiled)
+    return CompiledPlan(tuple(shardings), tuple(out_shardings), state_out, jitted, compiled,
+                        program="blocks")
 
 
-def compile_as_blocks(train_step, args: tuple, traced: TracedStep, build: ProblemBuild,
-                      plan: Plan, mesh, donate: bool = True) -> CompiledPlan | None:
-    """On one device, the plan run as its export (:func:`compile_exported`): how kiwi's plan
-    runs there when it recomputes (``kiwi_jax.optimize``). None on a mesh, or when no block
-    recomputes or the layers are not block modules: the plan then runs value by value
-    (:func:`kiwi_jax.compile.compile_plan`).
+def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemBuild,
+                    plan: Plan, mesh, abstract, donate: bool = True,
+                    overlap: bool = True) -> CompiledPlan:
+    """kiwi's plan compiled as the decorator runs it: value by value
+    (:func:`kiwi_jax.compile.compile_plan`); on one device, when that step is over the plan's
+    budget and a block of the plan recomputes, as its export (:func:`compile_exported`) if
+    that compiles smaller (``CompiledPlan.program`` says which runs).
 
-    There a block's dropped values recomputed together at the start of its backward pass, as
-    the program's chains recompute them (``ShardingProblem.chained``), lower the compiled peak
-    as planned. Recomputed value by value behind barriers (:mod:`kiwi_jax.interpret`), XLA's
-    CPU backend kept what the dropped values' readers were fused with: the zoo mixer's plan
-    at 70% of its reference compiled to 0.850 of the reference that way and to 0.640 as its
-    export. Sharding constraints, the rest of the decorator's program, do nothing on one
-    device."""
-    if mesh.devices.size != 1 or not plan.recomputed:
-        return None
+    On one device the two programs differ in how recomputation lowers the compiled peak. The
+    export recomputes a block's dropped values together at the start of its backward pass, as
+    the program's chains do (``ShardingProblem.chained``); value by value, behind barriers,
+    XLA's CPU backend kept what the dropped values' readers were fused with (the zoo mixer's
+    plan at 70% of its reference: 0.850 of the reference compiled, 0.640 as its export). But
+    the export also recomputes what the fusion rules expect XLA to fuse, and saves every
+    value whose operation it cannot tell from a recomputed one, so it is slower where both
+    fit (the reference GPT's plan at 100% of its prediction on one device: 3.45 ms estimated
+    as its export, 3.03 ms value by value) and on some models larger (the zoo Llama's plan at
+    90%: 2.62 MiB against 2.17 MiB). On a mesh the export leaves the layout inside a block to
+    XLA's propagation; it is compared there with the recipes instead
+    (``kiwi_jax.choose.CHECKPOINTED``).
+
+    Args:
+      args: the step's arguments (abstract arrays are enough); ``abstract``: its
+        functionalized form (:class:`kiwi_jax.step.PureStep`).
+    """
+    values = compile_plan(traced, build, plan, mesh, abstract, donate, overlap)
+    if (mesh.devices.size != 1 or not plan.recomputed
+            or values.memory.peak_bytes <= plan.budget_bytes):
+        return values
     export = export_plan(traced, build, plan, mesh)
     if not any(layer.block and layer.needs_checkpoint for layer in export.layers):
-        return None
+        return values
     try:
-        return compile_exported(train_step, args, mesh, export, donate)
+        blocks = compile_exported(train_step, args, mesh, export, donate)
     except BlockPolicyError:
-        return None
+        return values
+    return blocks if blocks.memory.peak_bytes < values.memory.peak_bytes else values
 
 
 def _constraint(mesh, spec):

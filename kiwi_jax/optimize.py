@@ -53,9 +53,9 @@ from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
                              parse_recipes)
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
-from kiwi_jax.compile import CompiledPlan, Prepared, compile_plan
+from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, compile_as_blocks, compile_exported, export_plan
+from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
 from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
@@ -341,7 +341,7 @@ class OptimizedStep:
         program on a mesh, where XLA's propagation lays out what the decorator constrains, and
         it was faster on some zoo models (docs/apply.md, "Exporting a plan"). Unchanged when
         the plan's layers are not block modules, and on one device, where kiwi's plan runs as
-        its export already when it recomputes (:meth:`_apply`)."""
+        its export already where that is the one that fits (:meth:`_apply`)."""
         options = self.options
         if options.mesh.devices.size == 1:
             return rows, steps
@@ -401,14 +401,11 @@ class OptimizedStep:
 
     def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
                abstract: PureStep) -> CompiledPlan:
-        """The plan applied and compiled: on one device, as its export when it recomputes
-        (:func:`kiwi_jax.export.compile_as_blocks`), otherwise value by value
-        (:func:`kiwi_jax.compile.compile_plan`)."""
+        """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: on one
+        device as its export when value by value is over the budget and the export smaller)."""
         options = self.options
-        return compile_as_blocks(self.train_step, step_arguments(abstract), traced, build, plan,
-                                 options.mesh, options.donate) \
-            or compile_plan(traced, build, plan, options.mesh, abstract, options.donate,
-                            options.overlap)
+        return compile_applied(self.train_step, step_arguments(abstract), traced, build, plan,
+                               options.mesh, abstract, options.donate, options.overlap)
 
     def _fit(self, traced, build, first: Plan | None,
              infeasible: solvers.InfeasibleBudgetError | None, abstract,
@@ -628,7 +625,9 @@ class OptimizedStep:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
                         f"so {self.options.solver!r} solved nothing\n{text}")
-            if prepared.choice is not None and prepared.choice.winner == CHECKPOINTED:
+            as_blocks = (prepared.choice is not None and prepared.choice.winner == CHECKPOINTED
+                         or not prepared.runs_recipe and prepared.applied.program == "blocks")
+            if as_blocks:
                 text = (f"kiwi's plan, run as its export (each block under its layer's "
                         f"jax.checkpoint policy):\n{self.export().table()}\n{text}")
             elif prepared.runs_recipe:
