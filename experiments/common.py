@@ -271,4 +271,5 @@ class PlanCompiler:
         applied = self.compile(plan_from_solution(self.build, solution, budget))
         peak = applied.memory.peak_bytes
         return {"compiled_peak_bytes": int(peak), "compiled_fits": bool(peak <= budget),
-                "program": applied.program, "compile_seconds": round(time.perf_counter() - start, 2)}
+                "program": applied.program,
+                "compile_seconds": round(time.perf_counter() - start, 2)}

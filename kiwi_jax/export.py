@@ -268,12 +268,13 @@ def compile_exported(train_step, args: tuple, mesh, export: PlanExport,
 
 
 def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemBuild,
-                    plan: Plan, mesh, abstract, donate: bool = True,
-                    overlap: bool = True) -> CompiledPlan:
+                    plan: Plan, mesh, abstract, donate: bool = True, overlap: bool = True,
+                    budget_bytes: int | None = None) -> CompiledPlan:
     """kiwi's plan compiled as the decorator runs it: value by value
-    (:func:`kiwi_jax.compile.compile_plan`); on one device, when that step is over the plan's
-    budget and a block of the plan recomputes, as its export (:func:`compile_exported`) if
-    that compiles smaller (``CompiledPlan.program`` says which runs).
+    (:func:`kiwi_jax.compile.compile_plan`); on one device, when that step is over
+    ``budget_bytes`` (default: the plan's budget) and a block of the plan recomputes, as its
+    export (:func:`compile_exported`) if that compiles smaller (``CompiledPlan.program`` says
+    which runs).
 
     On one device the two programs differ in how recomputation lowers the compiled peak. The
     export recomputes a block's dropped values together at the start of its backward pass, as
@@ -293,8 +294,8 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
         functionalized form (:class:`kiwi_jax.step.PureStep`).
     """
     values = compile_plan(traced, build, plan, mesh, abstract, donate, overlap)
-    if (mesh.devices.size != 1 or not plan.recomputed
-            or values.memory.peak_bytes <= plan.budget_bytes):
+    budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+    if mesh.devices.size != 1 or not plan.recomputed or values.memory.peak_bytes <= budget:
         return values
     export = export_plan(traced, build, plan, mesh)
     if not any(layer.block and layer.needs_checkpoint for layer in export.layers):

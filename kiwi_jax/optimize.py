@@ -400,12 +400,13 @@ class OptimizedStep:
         return plan
 
     def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
-               abstract: PureStep) -> CompiledPlan:
+               abstract: PureStep, budget: int | None = None) -> CompiledPlan:
         """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: on one
-        device as its export when value by value is over the budget and the export smaller)."""
+        device as its export when value by value is over ``budget``, the user's budget
+        (default: the plan's), and the export is smaller)."""
         options = self.options
         return compile_applied(self.train_step, step_arguments(abstract), traced, build, plan,
-                               options.mesh, abstract, options.donate, options.overlap)
+                               options.mesh, abstract, options.donate, options.overlap, budget)
 
     def _fit(self, traced, build, first: Plan | None,
              infeasible: solvers.InfeasibleBudgetError | None, abstract,
@@ -436,8 +437,8 @@ class OptimizedStep:
                 return None
 
         def compile_(plan: Plan) -> int:
-            if plan.fingerprint not in applied:
-                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract)
+            if plan.fingerprint not in applied:       # solved under another budget
+                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
             return applied[plan.fingerprint].memory.peak_bytes
 
         floor = None if first is not None else infeasible.min_feasible_bytes \
