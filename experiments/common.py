@@ -228,15 +228,15 @@ class PlanCompiler:
     def _setup(self, train_step, args: tuple, mesh: str, cluster: str) -> None:
         import jax
 
-        from kiwi_jax.apply import carried_pairs
+        from kiwi_jax.apply import carried_pairs, in_program_order
         from kiwi_jax.cluster import Cluster, MeshSpec
         from kiwi_jax.frontend import trace
         from kiwi_jax.problem import build_problem
 
-        self.train_step, self.args = train_step, args
-        self.traced = trace(train_step, *args)
-        self.pure = self.traced.pure
         spec = MeshSpec.parse(mesh)
+        self.train_step, self.args = train_step, args
+        self.traced = trace(train_step, *args, traced_order=in_program_order(spec.num_devices))
+        self.pure = self.traced.pure
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster),
                                    carried=carried_pairs(self.traced))
         size = spec.shape[0] * spec.shape[1]

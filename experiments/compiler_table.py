@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 from experiments.common import write_result  # noqa: E402
 from hlo_tools.compiled import collectives  # noqa: E402
 from hlo_tools.graph import Phase  # noqa: E402
-from kiwi_jax.apply import applied_function, node_specs, trace_for_planning  # noqa: E402
+from kiwi_jax.apply import (applied_function, in_program_order, node_specs,  # noqa: E402
+                            trace_for_planning)
 from kiwi_jax.models import build  # noqa: E402
 from kiwi_jax.plan import by_kind, predicted_comms  # noqa: E402
 from kiwi_jax.problem import build_problem  # noqa: E402
@@ -80,7 +81,7 @@ def data_parallel_assignment(built, batch_leaves: set[int]) -> list[int]:
 def compare(name: str, overrides: dict) -> dict:
     ref = build(name.split("-")[0], **overrides)
     pure = functionalize(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
-    traced = trace_for_planning(pure)
+    traced = trace_for_planning(pure, traced_order=in_program_order(8))
     built = build_problem(traced.graph, "2x4", "v100-nvlink", merge=False)
     batch_start = len(jax.tree.leaves(pure.args[:-1]))
     choice = data_parallel_assignment(

@@ -123,6 +123,7 @@ def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float) -> d
         compiled_over_budget=compiled_peak / plan.budget_bytes,
         compiled_over_predicted=compiled_peak / max(plan.predicted_peak_bytes, 1),
         fits=compiled_peak <= plan.budget_bytes, recomputed_nodes=len(plan.recomputed),
+        program=prepared.applied.program,
         predicted_step_seconds=float(plan.predicted_step_seconds),
         fit_compiles_spent=None if plan.fit is None else plan.fit.compiles,
         fit=None if plan.fit is None else plan.fit.to_dict())
@@ -146,6 +147,7 @@ def _progress(row: dict) -> str:
     text = (f"{where} {row['layers']} layers, {row['status']}, plan {row['plan_seconds']:.1f} s; "
             f"peak {row['predicted_peak_bytes'] / mib:.3f} predicted, "
             f"{row['compiled_peak_bytes'] / mib:.3f} compiled MiB "
+            f"{'as its export ' if row.get('program') == 'blocks' else ''}"
             f"({row['compiled_over_budget']:.3f} x budget, "
             f"{'fits' if row['fits'] else 'over'})")
     if numerics:

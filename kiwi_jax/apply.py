@@ -34,8 +34,8 @@ from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_orde
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
-__all__ = ["TracedStep", "trace_for_planning", "applied_function", "fingerprint",
-           "carried_pairs", "recomputed_values", "fused_followers"]
+__all__ = ["TracedStep", "trace_for_planning", "in_program_order", "applied_function",
+           "fingerprint", "carried_pairs", "recomputed_values", "fused_followers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +134,28 @@ def _hlo_dtype(aval) -> str:
     return name
 
 
-def trace_for_planning(pure: PureStep) -> TracedStep:
-    """Trace a functionalized step and build the graph of its interpreted form."""
+def in_program_order(num_devices: int) -> bool:
+    """Whether the graph of a step planned for ``num_devices`` devices is numbered in the
+    traced program's order (one device) or in the order XLA prints the lowered module (a
+    mesh); the node order is the planner's schedule (``hlo_tools.graph.build_graph``).
+
+    The printed order is a post order from the new state: each weight's gradient contraction
+    sits beside its optimizer update, after the backward pass of the layers below, and the
+    forward values it reads look alive until there; on the zoo mixer they could not be
+    dropped at all (docs/cost_model.md, "The replay order"). On one device the program's
+    order is kept. On a mesh the printed order also puts each gradient's collective where
+    XLA's all-reduce combiner runs it, at the end of the backward pass; in the program's order
+    Lynx's plans hid recomputations under gradient all-reduces that the combiner then ran
+    hundreds of instructions later (tests/kiwi_jax/test_overlap.py), and the 2x4 fidelity
+    study was no better (1 of 8 plans within 10% either way), so a mesh keeps the printed
+    order until the model places combined collectives."""
+    return num_devices == 1
+
+
+def trace_for_planning(pure: PureStep, traced_order: bool = True) -> TracedStep:
+    """Trace a functionalized step and build the graph of its interpreted form, numbered in
+    the traced program's order (``traced_order``, see :func:`in_program_order`) or in the
+    order XLA prints it."""
     closed = trace_flat(pure.fn, *pure.args)
     outputs = jax.eval_shape(pure.fn, *pure.args)
     out_tree = jax.tree.structure(outputs)
@@ -145,7 +165,8 @@ def trace_for_planning(pure: PureStep) -> TracedStep:
         return jax.tree.unflatten(out_tree, interpreter(*jax.tree.leaves(args)))
 
     text = lower_to_hlo(tagged, *pure.args)
-    graph = graph_from_text(text, argument_paths(*pure.args), program_order)
+    graph = graph_from_text(text, argument_paths(*pure.args),
+                            program_order if traced_order else None)
     return TracedStep(pure, closed, graph, _representatives(closed, graph), out_tree,
                       fingerprint(text), carried_state(pure, outputs))
 

@@ -5,21 +5,24 @@ from __future__ import annotations
 import time
 
 from hlo_tools.graph import OpGraph
-from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
+from kiwi_jax.apply import TracedStep, carried_pairs, in_program_order, trace_for_planning
+from kiwi_jax.cluster import MeshSpec
 from kiwi_jax.problem import ProblemBuild, build_problem
 from kiwi_jax.step import PureStep, functionalize
 
 __all__ = ["trace_step", "trace", "problem_for_step"]
 
 
-def trace(train_step, *args) -> TracedStep:
+def trace(train_step, *args, traced_order: bool = True) -> TracedStep:
     """Functionalize a Flax train step, trace its flat jaxpr and build the operator graph of its
-    interpreted form (every node tagged with the equation that produced it).
+    interpreted form (every node tagged with the equation that produced it), numbered in the
+    traced program's order or, with ``traced_order=False``, in the order XLA prints it (a mesh:
+    :func:`kiwi_jax.apply.in_program_order`).
 
     Args may be concrete or abstract (``nnx.eval_shape`` / ``jax.ShapeDtypeStruct``): lowering
     allocates nothing.
     """
-    return trace_for_planning(functionalize(train_step, args))
+    return trace_for_planning(functionalize(train_step, args), traced_order)
 
 
 def trace_step(train_step, *args) -> tuple[PureStep, OpGraph]:
@@ -37,7 +40,8 @@ def problem_for_step(train_step, *args, mesh, cluster="v100-nvlink", merge=True,
       (build, timings): the problem build and the seconds spent lowering and building.
     """
     start = time.perf_counter()
-    traced = trace(train_step, *args)
+    traced = trace(train_step, *args,
+                   traced_order=in_program_order(MeshSpec.parse(mesh).num_devices))
     lowered = time.perf_counter()
     build = build_problem(traced.graph, mesh, cluster, merge=merge, memory_model=memory_model,
                           carried=carried_pairs(traced))

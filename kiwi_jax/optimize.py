@@ -48,7 +48,7 @@ from flax import nnx
 
 import solvers
 from hlo_tools.graph import Phase
-from kiwi_jax.apply import TracedStep, carried_pairs, trace_for_planning
+from kiwi_jax.apply import TracedStep, carried_pairs, in_program_order, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
                              parse_recipes)
@@ -250,7 +250,7 @@ class OptimizedStep:
         abstract = PureStep(pure.fn, abstract_arrays(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
         start = time.perf_counter()
-        traced = trace_for_planning(abstract)
+        traced = trace_for_planning(abstract, in_program_order(options.mesh.devices.size))
         graph = traced.graph
         if not any(node.phase == Phase.BACKWARD for node in graph.nodes):
             raise NotATrainStepError(
