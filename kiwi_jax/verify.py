@@ -500,7 +500,9 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
 
     Args:
       explain_memory: attribute the memory at both peaks to operators (one more compile with
-        XLA's dumps on); None: only when it is off by more than the tolerance.
+        XLA's dumps on); None: only when it is off by more than the tolerance. Not for a
+        plan run as its export (``CompiledPlan.program == "blocks"``, one device): its
+        instructions carry no equation tags to attribute by.
 
     A recipe's step that runs instead of kiwi's plan is checked by :func:`verify_recipe`
     (``explain_memory`` does not apply: there is no prediction to attribute against).
@@ -531,7 +533,9 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
         numerics=numerics)
-    if explain_memory or (explain_memory is None and abs(report.memory_error) > TOLERANCE):
+    tagged = prepared.applied.program == "values"
+    if tagged and (explain_memory
+                   or (explain_memory is None and abs(report.memory_error) > TOLERANCE)):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
                             compiler_options())
         report = dataclasses.replace(
