@@ -145,8 +145,8 @@ def in_program_order(num_devices: int) -> bool:
     dropped at all (docs/cost_model.md, "The replay order"). On one device the program's
     order is kept. On a mesh the printed order also puts each gradient's collective where
     XLA's all-reduce combiner runs it, at the end of the backward pass; in the program's order
-    Lynx's plans hid recomputations under gradient all-reduces that the combiner then ran
-    hundreds of instructions later (tests/kiwi_jax/test_overlap.py), and the 2x4 fidelity
+    Lynx's plans hid recomputations under gradient all-reduces that the combiner then ran up
+    to 296 instructions later (tests/kiwi_jax/test_overlap.py), and the 2x4 fidelity
     study was no better (1 of 8 plans within 10% either way), so a mesh keeps the printed
     order until the model places combined collectives."""
     return num_devices == 1
