@@ -437,7 +437,7 @@ class OptimizedStep:
                 return None
 
         def compile_(plan: Plan) -> int:
-            if plan.fingerprint not in applied:       # solved under another budget
+            if plan.fingerprint not in applied:   # the user's budget, not its solver budget
                 applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
             return applied[plan.fingerprint].memory.peak_bytes
 
