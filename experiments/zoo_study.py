@@ -82,7 +82,7 @@ def traced_row(name: str, sizes: dict) -> dict:
     else:
         report = layer_report(graph)
         row.update(lowers=True, graph_nodes=len(graph.nodes), layers_found=report.layers,
-                   layers_uniform=report.uniform,
+                   layers_uniform=report.uniform, layer_structures=report.structures,
                    fraction_in_layers=round(report.fraction_in_layers, 4))
     row["trace_seconds"] = round(time.perf_counter() - start, 2)
     return row

@@ -11,11 +11,16 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    the index, with the same shapes and types): a family's longest run of at least two
    consecutive such members is a stack of layers (an MLP's hidden layers between input and
    output projections of other shapes); a ``conv_0``/``conv_1`` pair of different shapes is
-   none. The stack is the one of trainable weights (read by the forward pass and by the
-   optimizer) with the most bytes; nested families (``Dense_0``/``Dense_1`` inside each block)
-   have fewer. A member's layer is its position in the run. Optimizer state that mirrors the
-   stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name and the same
-   sub-trees up to dtype, never read by the forward pass) takes the same layers.
+   none. Stacks are runs of trainable weights (read by the forward pass and by the optimizer)
+   that lie inside no member of another family with a run (a block's nested
+   ``Dense_0``/``Dense_1`` are none), taken by bytes while they share no leaf: an
+   encoder's and a decoder's are two stacks (:func:`parameter_stacks`). A stack's members
+   must run one after another in the forward pass (each block's weights read after the block
+   before it: not experts held in a list). Layers are numbered stack after stack, in the order
+   the forward pass runs the stacks (a decoder reading the encoder's output after the
+   encoder), a member's layer by its position in the run. Optimizer state that mirrors a stack
+   (Adam's ``mu`` and ``nu``: a family with the same pattern and name and the same sub-trees up
+   to dtype, never read by the forward pass) takes the same layers.
 2. Forward operators, from the layer parameters they depend on. ``down(v)``: the largest layer
    whose parameters are ancestors of v; ``up(v)``: the smallest layer whose parameters are read
    by v or by a forward descendant of v. A node with ``down = up = L`` lies between two reads of
@@ -37,7 +42,10 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    head whose loss the step does not return) belong where the values they read are read: a
    layer's input is read by that layer. In the last layer they are the counterparts of the
    layer before's; the others come after the layers. Everything else (embedding, final norm,
-   head, loss) is outside layers.
+   head, loss) is outside layers. Between two stacks the split is by structure too: the end of
+   a stack's last layer is what corresponds to the end of the layer before it (an encoder's
+   final norm stays outside layers), the start of the next stack's first layer what
+   corresponds to the start of that stack's second layer.
 3. Backward operators. A node that only feeds the gradients of layer L's parameters (a weight
    or bias gradient) belongs to layer L. The others are cut into layers like the forward pass,
    in reverse layer order, with reads of forward values in place of parameter reads: a forward
@@ -55,8 +63,8 @@ Named scopes win: :func:`hlo_tools.graph.build_graph` calls this only for a step
 ``layer_<i>`` scopes. Scanned layers are one of those: their parameters are stacked in one leaf
 per weight with a leading layers axis, which this finder does not split, and kiwi-jax's
 interpreter gives every scan iteration a ``layer_<i>`` scope instead (the stacked leaf, read by
-every layer through its slice, stays outside layers). :func:`layer_report` checks the result: nodes per layer and phase, and
-whether every layer has layer 0's operators.
+every layer through its slice, stays outside layers). :func:`layer_report` checks the result:
+nodes per layer and phase, and which layers have one structure.
 
 References:
   Lynx (sec. 4.2, sec. 6 Model Profiler): one representative layer of identical layers; Alpa
@@ -76,7 +84,8 @@ from collections.abc import Sequence
 
 from solvers.phase import Phase
 
-__all__ = ["path_components", "find_layers", "parameter_layers", "LayerReport", "layer_report"]
+__all__ = ["path_components", "find_layers", "Stack", "parameter_stacks", "parameter_layers",
+           "LayerReport", "layer_report"]
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +172,29 @@ def _families(paths: Sequence[tuple], shapes) -> list[_Family]:
             if len(members) >= 2]
 
 
-def parameter_layers(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
-                     forward_read: Sequence[bool]) -> list[int]:
-    """Per step input, its layer from the parameter tree (-1 outside the stack of layers).
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A run of repeated blocks in the parameter tree."""
+
+    members: tuple[tuple, ...]
+    """Per position, the block's path (``('params', 'encoder', 'EncoderLayer_1')``)."""
+    leaves: tuple[tuple[int, ...], ...]
+    """Per position, the inputs under the block and its optimizer state's mirrors."""
+
+
+def parameter_stacks(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
+                     forward_read: Sequence[bool]) -> list[Stack]:
+    """The stacks of repeated blocks in the parameter tree, in the tree's order of their
+    first leaves: an encoder's and a decoder's, say.
+
+    A stack is a family's run of identical members (:meth:`_Family.repeats`) of weights (read
+    by the forward pass and by the optimizer) that lies inside no member of a family with such
+    a run: a block's ``Dense_0``/``Dense_1`` are no stack, nor are a ResNet's second stage's
+    first block's ``Conv_0``/``Conv_1`` when its first stage's blocks repeat. The run with the
+    most bytes comes first, then every other run that shares no leaf with those taken. Optimizer state
+    that mirrors a stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name
+    and the same sub-trees up to dtype, never read by the forward pass) joins the stack whose
+    path it ends alike with the most components (``mu/encoder`` the ``encoder``'s).
 
     Args:
       paths: per input, its path components (:func:`path_components`).
@@ -174,28 +203,78 @@ def parameter_layers(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
         the optimizer.
       forward_read: per input, whether the forward pass reads it.
     """
-    layers = [-1] * len(paths)
     families = _families(paths, shapes)
-    stacks = [f.only(run) for f in families if (run := f.repeats(shapes))]
-    stacks = [f for f in stacks if all(trainable[leaf] for leaf in f.leaves())]
-    if not stacks:
-        return layers
-    stack = max(stacks, key=lambda f: (sum(shapes[leaf].nbytes for leaf in f.leaves()),
-                                       -len(f.prefix)))
+    runs = [f.only(run) for f in families if (run := f.repeats(shapes))]
+    runs = [f for f in runs if all(trainable[leaf] for leaf in f.leaves())]
+    repeated = {(f.prefix, f.pattern) for f in runs}
+    runs = [f for f in runs if not any((f.prefix[:j], found[0]) in repeated
+                                       for j, c in enumerate(f.prefix)
+                                       if (found := _index(c)) is not None)]
+    runs.sort(key=lambda f: (-sum(shapes[leaf].nbytes for leaf in f.leaves()), len(f.prefix)))
+    taken: set[int] = set()
+    chosen: list[_Family] = []
+    for family in runs:
+        if taken.isdisjoint(family.leaves()):
+            chosen.append(family)
+            taken.update(family.leaves())
+    mirrored: dict[int, list[_Family]] = {k: [] for k in range(len(chosen))}
+    for family in families:
+        fits = [k for k, stack in enumerate(chosen) if _mirrors(family, stack, shapes,
+                                                                forward_read)]
+        if fits:
+            best = max(fits, key=lambda k: _common_suffix(family.prefix, chosen[k].prefix))
+            mirrored[best].append(family)
+    stacks = []
+    for k, stack in enumerate(chosen):
+        order = sorted(stack.members)
+        depth = len(stack.prefix)
+        stacks.append(Stack(
+            tuple((*stack.prefix, paths[next(iter(stack.members[i].values()))][depth])
+                  for i in order),
+            tuple(tuple(leaf for family in (stack, *mirrored[k])
+                        for leaf in family.members[i].values()) for i in order)))
+        log.info("a stack in the parameter tree: %d members of %s/%s, %d mirrored families",
+                 len(order), "/".join(map(str, stack.prefix)), stack.pattern, len(mirrored[k]))
+    return sorted(stacks, key=lambda s: min(s.leaves[0]))
+
+
+def _mirrors(family: _Family, stack: _Family, shapes, forward_read) -> bool:
     order = sorted(stack.members)
     want = stack.signature(order[0], shapes, dims_only=True)
-    mirrors = [f.only(order) for f in families
-               if f.name == stack.name and f.prefix != stack.prefix
-               and set(order) <= set(f.members)
-               and all(f.signature(k, shapes, True) == want for k in order)
-               and not any(forward_read[leaf] for leaf in f.only(order).leaves())]
-    for family in (stack, *mirrors):
-        for position, index in enumerate(order):
-            for leaf in family.members[index].values():
-                layers[leaf] = position
-    log.info("layers from the parameter tree: %d members of %s/%s, %d mirrored families",
-             len(order), "/".join(map(str, stack.prefix)), stack.pattern, len(mirrors))
+    return (family.name == stack.name and family.prefix != stack.prefix
+            and set(order) <= set(family.members)
+            and all(family.signature(k, shapes, True) == want for k in order)
+            and not any(forward_read[leaf] for leaf in family.only(order).leaves()))
+
+
+def _common_suffix(a: tuple, b: tuple) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def parameter_layers(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
+                     forward_read: Sequence[bool]) -> list[int]:
+    """Per step input, its layer from the parameter tree alone (-1 outside the stacks): the
+    :func:`parameter_stacks`' members numbered stack after stack, in the tree's order (the
+    graph's :func:`find_layers` numbers them in the order the forward pass runs them)."""
+    layers = [-1] * len(paths)
+    stacks = parameter_stacks(paths, shapes, trainable, forward_read)
+    for first, stack in zip(_firsts(stacks), stacks):
+        for position, leaves in enumerate(stack.leaves):
+            for leaf in leaves:
+                layers[leaf] = first + position
     return layers
+
+
+def _firsts(stacks: Sequence[Stack]) -> list[int]:
+    """Per stack, the number of its first layer when layers are numbered stack after stack."""
+    out, total = [], 0
+    for stack in stacks:
+        out.append(total)
+        total += len(stack.members)
+    return out
 
 
 def find_layers(nodes: Sequence, users: Sequence[Sequence[int]], parameters: Sequence[int],
@@ -227,6 +306,7 @@ class _Finder:
         self.parameters = list(parameters)
         self.paths = [tuple(p) for p in paths]
         self.count = 0
+        self.stacks: list[Stack] = []
 
     def is_(self, i: int, phase: Phase) -> bool:
         return self.phase[i] == phase and not self.free[i]
@@ -239,9 +319,13 @@ class _Finder:
         read_by = [{self.phase[u] for u in self.users[p]} for p in self.parameters]
         forward_read = [Phase.FORWARD in r for r in read_by]
         trainable = [Phase.FORWARD in r and Phase.OPTIMIZER in r for r in read_by]
-        for p, layer in zip(self.parameters, parameter_layers(self.paths, shapes, trainable,
-                                                               forward_read)):
-            self.layer[p] = layer
+        stacks = [s for s in parameter_stacks(self.paths, shapes, trainable, forward_read)
+                  if self._chain(s)]
+        self.stacks = self._in_forward_order(stacks)
+        for first, stack in zip(_firsts(self.stacks), self.stacks):
+            for position, leaves in enumerate(stack.leaves):
+                for leaf in leaves:
+                    self.layer[self.parameters[leaf]] = first + position
         self.count = max(self.layer, default=-1) + 1
         if self.count < 2:
             return self.layer
@@ -251,12 +335,62 @@ class _Finder:
         self._constants()
         return self.layer
 
+    def _weights(self, stack: Stack, position: int) -> list[int]:
+        return [self.parameters[leaf] for leaf in stack.leaves[position]
+                if any(self.is_(u, Phase.FORWARD) for u in self.users[self.parameters[leaf]])]
+
+    def _in_forward_order(self, stacks: list[Stack]) -> list[Stack]:
+        """The stacks in the order the forward pass runs them: a stack whose first block reads
+        what another stack computed (a decoder reading the encoder's output) comes after it
+        (the node order need not say: XLA prints a module from its root)."""
+        depends = [0] * self.n          # per node, a bit per stack its value depends on
+        for k, stack in enumerate(stacks):
+            for position in range(len(stack.members)):
+                for p in self._weights(stack, position):
+                    depends[p] |= 1 << k
+        for i in range(self.n):
+            if self.is_(i, Phase.FORWARD):
+                for o in self.nodes[i].operands:
+                    depends[i] |= depends[o]
+        after = []
+        for k, stack in enumerate(stacks):
+            mask = 0
+            for p in self._weights(stack, 0):
+                for u in self.users[p]:
+                    if self.is_(u, Phase.FORWARD):
+                        for o in self.nodes[u].operands:
+                            mask |= depends[o]
+            after.append(bin(mask & ~(1 << k)).count("1"))
+        return [stacks[k] for k in sorted(range(len(stacks)), key=lambda k: after[k])]
+
+    def _chain(self, stack: Stack) -> bool:
+        """Whether the forward pass reads each block's weights after the block before it (a
+        reader of block k's weights depends on block k-1's): consecutive layers, not parallel
+        branches such as experts held in a list, or a token and a position embedding."""
+        position = {p: k for k in range(len(stack.members)) for p in self._weights(stack, k)}
+        after = [-1] * self.n          # the latest block a forward node depends on
+        fed = set()
+        for i in range(self.n):
+            if not self.is_(i, Phase.FORWARD):
+                continue
+            operands = self.nodes[i].operands
+            prior = max((after[o] for o in operands), default=-1)
+            read = [position[o] for o in operands if o in position]
+            fed.update(k for k in read if 1 <= k <= prior + 1)
+            after[i] = max([prior, *read])
+        chained = fed >= set(range(1, len(stack.members)))
+        if not chained:
+            log.info("the blocks under %s do not run one after another in the forward pass: "
+                     "no layers", "/".join(map(str, stack.members[0][:-1])))
+        return chained
+
     def _forward(self) -> None:
         member = [self.is_(i, Phase.FORWARD) for i in range(self.n)]
         reads = [{self.layer[o] for o in node.operands
                   if self.phase[o] == Phase.PARAM and self.layer[o] >= 0} if member[i] else set()
                  for i, node in enumerate(self.nodes)]
-        keys = _Segments(self.nodes, self.users, member, reads, self.count, forward=True).run()
+        keys = _Segments(self.nodes, self.users, member, reads, self.count, forward=True,
+                         starts=_firsts(self.stacks)).run()
         for i in range(self.n):
             if member[i]:
                 self.layer[i] = keys[i]
@@ -316,7 +450,10 @@ class _Finder:
                         layer = layer_read(o)
                         if layer is not None and layer >= 0:
                             reads[i].add(last - layer)
-        keys = _Segments(self.nodes, self.users, member, reads, self.count, forward=False).run()
+        ends = [first + len(stack.members) - 1
+                for first, stack in zip(_firsts(self.stacks), self.stacks)]
+        keys = _Segments(self.nodes, self.users, member, reads, self.count, forward=False,
+                         starts=[last - end for end in ends]).run()
         for i in range(self.n):
             if member[i]:
                 self.layer[i] = last - keys[i] if keys[i] >= 0 else -1
@@ -332,11 +469,14 @@ class _Finder:
 class _Segments:
     """One pass of the step (its forward or its backward operators, ``member``) cut into
     ``count`` consecutive segments, from the segment keys each node reads directly (``reads``:
-    the layers of the parameters a forward node reads; segment k runs before k+1). Returns per
-    node its segment, -1 outside (see the module notes, step 2)."""
+    the layers of the parameters a forward node reads; segment k runs before k+1), ``starts``
+    the first segment of each stack of blocks. Returns per node its segment, -1 outside (see
+    the module notes, step 2)."""
 
-    def __init__(self, nodes, users, member, reads, count: int, forward: bool):
+    def __init__(self, nodes, users, member, reads, count: int, forward: bool,
+                 starts: Sequence[int] = (0,)):
         self.nodes, self.users, self.member, self.count = nodes, users, member, count
+        self.starts = sorted(starts)
         self.n = len(nodes)
         self.key = [-1] * self.n
         down, up = [-1] * self.n, [_INF] * self.n
@@ -367,7 +507,10 @@ class _Segments:
             for i in ids:
                 key[i] = down[i]
         self.core, self.ends = core, [set() for _ in range(self.count)]
+        between = {first - 1 for first in self.starts if first > 0}    # a stack's last segment
         for k in range(self.count - 1):
+            if k in between:            # split by structure below, against the stacks' own
+                continue
             output = self._output(k)
             tail = self._ancestors_in(output, set(gap[k])) if output is not None else set()
             for i in gap[k]:
@@ -375,12 +518,19 @@ class _Segments:
                 key[i] = k + 1 if start_of_next else k
                 if not start_of_next:
                     self.ends[k].add(i)
-        self._first_start()
+        for first in self.starts:
+            self._first_start(first)
+        for end in sorted(between):
+            pairs = self._core_pairs(end - 1, end)
+            if pairs is not None:
+                self._match_forward(end, sorted(self.ends[end - 1]),
+                                    {i for i in gap[end] if key[i] < 0},
+                                    self._starts_of(end, pairs))
         last = self.count - 1
         pairs = self._core_pairs(last - 1, last)
-        mapped = self._starts_of_last(pairs) if pairs is not None else None
+        mapped = self._starts_of(last, pairs) if pairs is not None else None
         if mapped is not None:
-            self._match_forward(sorted(self.ends[last - 1]), set(gap[last]) | {
+            self._match_forward(last, sorted(self.ends[last - 1]), set(gap[last]) | {
                 i for i in range(self.n) if self.saved[i] and down[i] == last}, mapped)
         # forward values computed for the backward pass only: the place of what they read; the
         # last layer's are the counterparts of the layer before's (the rest, such as a head
@@ -399,7 +549,7 @@ class _Segments:
                 later.add(i)
         if mapped is not None:
             self._match_forward(
-                [i for i in range(self.n) if self.saved[i] and key[i] == last - 1],
+                last, [i for i in range(self.n) if self.saved[i] and key[i] == last - 1],
                 later | {i for i in range(self.n) if self.saved[i] and key[i] == last}, mapped)
         return key
 
@@ -486,47 +636,47 @@ class _Segments:
         a, b = self.nodes[i], self.nodes[j]
         return a.opcode == b.opcode and a.shape == b.shape and len(a.operands) == len(b.operands)
 
-    def _first_start(self) -> None:
-        """Segment 0's start: the counterparts of segment 1's start, walking back from the
-        cores."""
-        pairs = self._core_pairs(1, 0)
+    def _first_start(self, first: int) -> None:
+        """The start of a stack's first segment ``first``: the counterparts of the next
+        segment's start, walking back from the cores, among the nodes no segment took."""
+        pairs = self._core_pairs(first + 1, first)
         if pairs is None:
             return
-        start = {i for i in range(self.n) if self.member[i] and self.key[i] == 1
-                 and self.down[i] == 0}
+        start = {i for i in range(self.n) if self.member[i] and self.key[i] == first + 1
+                 and self.down[i] == first}
         taken: set[int] = set()
         queue = list(pairs)
         while queue:
             a, b = queue.pop()
             for x, y in zip(self.nodes[a].operands, self.nodes[b].operands):
-                if x in start and x not in taken and self.member[y] and self.down[y] < 0 \
+                if x in start and x not in taken and self.member[y] and self.down[y] < first \
                         and self.key[y] < 0 and self._like(x, y):
                     taken.add(x)
-                    self.key[y] = 0
+                    self.key[y] = first
                     queue.append((x, y))
 
-    def _starts_of_last(self, pairs) -> dict[int, int]:
-        """Counterparts in the last segment of the previous segment's core and start, walking
-        back from the cores (both starts are known: the map for :meth:`_match_forward`)."""
-        last = self.count - 1
+    def _starts_of(self, end: int, pairs) -> dict[int, int]:
+        """Counterparts in a stack's last segment ``end`` of the previous segment's core and
+        start, walking back from the cores (both starts are known: the map for
+        :meth:`_match_forward`)."""
         mapped = dict(pairs)
         queue = list(pairs)
         while queue:
             a, b = queue.pop()
             for x, y in zip(self.nodes[a].operands, self.nodes[b].operands):
-                if x not in mapped and self.member[x] and self.key[x] == last - 1 \
-                        and self.down[x] == last - 2 and self.key[y] == last \
-                        and self.down[y] == last - 1 and self._like(x, y):
+                if x not in mapped and self.member[x] and self.key[x] == end - 1 \
+                        and self.down[x] < end - 1 and self.key[y] == end \
+                        and self.down[y] < end and self._like(x, y):
                     mapped[x] = y
                     queue.append((x, y))
         return mapped
 
-    def _match_forward(self, sources: list[int], candidates: set, mapped: dict) -> None:
-        """Put into the last segment the counterparts (among ``candidates``) of ``sources``,
-        nodes of the segment before, in order: a counterpart reads, slot by slot, the
-        counterparts of their operands, or for an operand from outside the segment any node
-        of its shape outside the last segment."""
-        last = self.count - 1
+    def _match_forward(self, end: int, sources: list[int], candidates: set,
+                       mapped: dict) -> None:
+        """Put into a stack's last segment ``end`` the counterparts (among ``candidates``) of
+        ``sources``, nodes of the segment before, in order: a counterpart reads, slot by slot,
+        the counterparts of their operands, or for an operand from outside the segment any
+        node of its shape outside segment ``end``."""
         for t in sources:
             anchors = [mapped[o] for o in self.nodes[t].operands if o in mapped]
             if not anchors:
@@ -534,25 +684,26 @@ class _Segments:
             for u in sorted(self.users[anchors[0]]):
                 if u in candidates and self._like(t, u) and all(
                         mapped[o] == p if o in mapped else
-                        self.key[p] != last and self.nodes[p].shape == self.nodes[o].shape
+                        self.key[p] != end and self.nodes[p].shape == self.nodes[o].shape
                         for o, p in zip(self.nodes[t].operands, self.nodes[u].operands)):
                     mapped[t] = u
                     candidates.discard(u)
-                    self.key[u] = last
+                    self.key[u] = end
                     break
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """How a graph's nodes fall into layers, and whether the layers repeat one structure."""
+    """How a graph's nodes fall into layers, and which layers repeat one structure."""
 
     nodes: dict[int, dict[str, int]]
     """Per layer (-1: outside layers), nodes per phase name."""
-    same_as_first: dict[int, bool]
-    """Per layer >= 1, whether it has layer 0's operators: per phase, the same opcodes and
-    shapes, each reading, slot by slot, operands of the same opcode and shape inside the layer
-    or of the same shape outside it (compared as multisets: the backward pass may order the
-    layers' gradient operators differently)."""
+    structure: dict[int, int]
+    """Per layer, its structure: the structure of the first layer that has its operators (per
+    phase, the same opcodes and shapes, each reading, slot by slot, operands of the same
+    opcode and shape inside the layer or of the same shape outside it, compared as multisets:
+    the backward pass may order the layers' gradient operators differently), numbered from 0
+    in layer order. An encoder's layers and a decoder's are two structures."""
     fraction_in_layers: float
     """Share of the graph's nodes that belong to a layer."""
 
@@ -561,13 +712,18 @@ class LayerReport:
         return sum(1 for layer in self.nodes if layer >= 0)
 
     @property
+    def structures(self) -> int:
+        """How many structures the layers have."""
+        return len(set(self.structure.values()))
+
+    @property
     def uniform(self) -> bool:
         """Every layer has layer 0's structure."""
-        return all(self.same_as_first.values())
+        return self.structures <= 1
 
 
 def layer_report(graph) -> LayerReport:
-    """Nodes per layer and phase, and each layer's structure against layer 0's.
+    """Nodes per layer and phase, and each layer's structure.
 
     Args:
       graph: an :class:`~hlo_tools.graph.OpGraph`.
@@ -581,9 +737,13 @@ def layer_report(graph) -> LayerReport:
                               else None, graph.nodes[o].shape) for o in node.operands)
             structure.setdefault(node.layer, collections.Counter())[
                 (int(node.phase), node.opcode, node.shape, operands)] += 1
-    first = structure.get(0, collections.Counter())
-    same = {layer: found == first for layer, found in sorted(structure.items()) if layer >= 1}
+    kinds: list[collections.Counter] = []
+    numbered = {}
+    for layer, found in sorted(structure.items()):
+        if found not in kinds:
+            kinds.append(found)
+        numbered[layer] = kinds.index(found)
     inside = sum(sum(c.values()) for layer, c in counts.items() if layer >= 0)
     return LayerReport(nodes={layer: dict(c) for layer, c in sorted(counts.items())},
-                       same_as_first=same,
+                       structure=numbered,
                        fraction_in_layers=inside / max(len(graph.nodes), 1))

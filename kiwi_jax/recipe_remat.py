@@ -1,8 +1,8 @@
 """A per-block ``jax.checkpoint`` policy put on a train step without editing its model.
 
-The blocks are found from the parameter tree (:func:`hlo_tools.layers.parameter_layers`: the
-stack of repeated sub-trees such as ``blocks/3``, ``layers_3``, ``Block_3``); while the step is
-traced, each block module's ``__call__`` runs under the policy:
+The blocks are found from the parameter tree (:func:`hlo_tools.layers.parameter_stacks`: the
+stacks of repeated sub-trees such as ``blocks/3``, ``layers_3``, ``Block_3``, an encoder's and
+a decoder's); while the step is traced, each block module's ``__call__`` runs under the policy:
 
 - Flax NNX: the block classes' ``__call__`` is replaced, for the trace only, by one that runs
   the original under ``nnx.remat(policy=...)`` for the block instances (other instances of the
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from hlo_tools.layers import parameter_layers
+from hlo_tools.layers import parameter_stacks
 from kiwi_jax.recipe_specs import StateLeaves
 
 __all__ = ["POLICIES", "BlockPolicyError", "block_paths", "with_block_policy"]
@@ -55,31 +55,16 @@ class _Shape:
 
 def block_paths(leaves: StateLeaves, args) -> list[tuple]:
     """The block modules' paths relative to the parameter root (``('layers', 3)``,
-    ``('Block_3',)``), in layer order; empty when the parameter tree has no stack of repeats.
-    """
+    ``('Block_3',)``, ``('encoder', 'EncoderLayer_1')``), stack after stack in the parameter
+    tree's order; empty when the parameter tree has no stack of repeats."""
     flat = jax.tree.leaves(args)
     params = [i for i, k in enumerate(leaves.param_key) if k is not None]
     keys = [leaves.param_key[i] for i in params]
     shapes = [_Shape(tuple(flat[i].shape), str(flat[i].dtype),
                      int(jnp.dtype(flat[i].dtype).itemsize) * int(max(1, _size(flat[i].shape))))
               for i in params]
-    layers = parameter_layers(keys, shapes, [True] * len(keys), [True] * len(keys))
-    first: dict[int, tuple] = {}
-    for key, layer in zip(keys, layers):
-        if layer >= 0 and layer not in first:
-            first[layer] = key
-    if len(first) < 2:
-        return []
-    ref = first[min(first)]
-    paths = []
-    for layer in sorted(first):
-        key = first[layer]
-        depth = next((j for j, (a, b) in enumerate(zip(key, ref)) if a != b), None)
-        if depth is None:                                       # the first layer itself
-            other = first[sorted(first)[1]]
-            depth = next(j for j, (a, b) in enumerate(zip(key, other)) if a != b)
-        paths.append(tuple(key[:depth + 1]))
-    return paths
+    stacks = parameter_stacks(keys, shapes, [True] * len(keys), [True] * len(keys))
+    return [tuple(member) for stack in stacks for member in stack.members]
 
 
 def _size(shape) -> int:

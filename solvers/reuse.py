@@ -9,8 +9,9 @@ Counterparts are found in two passes:
    count, name (digits removed: ``blocks[3]`` ~ ``blocks[0]``, equation tags ``k17`` ~ ``k5``)
    and memory, whose operands and readers in the layer are alike in the same way (structural
    labels, :func:`_structural_labels`), are paired in order with the reference layer's (see
-   :func:`_pair_layers`); operators without such a counterpart (a layer that is not a repeat,
-   a misplaced boundary) are not tied.
+   :func:`_pair_layers`): the first layer of the layer's structure (an encoder's layers copy
+   the first encoder layer, a decoder's the first decoder layer). Operators without such a
+   counterpart (a misplaced boundary) are not tied.
 2. Inputs outside layers (optimizer state: ``mu['blocks'][3]``) are tied to the first input of
    the same name up to digits.
 3. Everything else (the optimizer's per-parameter updates carry no layer scope), in topological
@@ -26,6 +27,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
@@ -74,8 +76,27 @@ def _structural_labels(problem: ShardingProblem, key, rounds: int) -> list[dict[
     return labels
 
 
+def _references(problem: ShardingProblem, labels: dict[int, int],
+                members: dict[int, list[int]]) -> dict[int, int]:
+    """Per layer, the layer it copies: the first earlier layer that shares at least
+    ``REPEAT_SHARE`` of its operators' labels (``labels``: round 1 of
+    :func:`_structural_labels`), else itself. An encoder's layers copy the first encoder
+    layer and a decoder's the first decoder layer."""
+    out: dict[int, int] = {}
+    kinds: dict[int, collections.Counter] = {}
+    for current in sorted(members):
+        found = collections.Counter(labels[i] for i in members[current])
+        out[current] = next((reference for reference, kind in kinds.items()
+                             if sum((found & kind).values())
+                             >= REPEAT_SHARE * max(found.total(), kind.total())), current)
+        if out[current] == current:
+            kinds[current] = found
+    return out
+
+
 def _pair_layers(problem: ShardingProblem, labels, reference: int, tie: np.ndarray) -> None:
-    """Tie each layer's operators to the reference layer's with the same label, finest labels
+    """Tie each layer's operators to its reference layer's (:func:`_references`; the first
+    layer of its structure, ``reference`` for that layer's) with the same label, finest labels
     first: a label held by as many operators in both layers pairs them in order; operators
     left over are tried again with the coarser labels of the round before, down to round 1 (an
     operator's key, memory and operands' keys by slot). Round 0 alone (the key) would pair the
@@ -85,11 +106,14 @@ def _pair_layers(problem: ShardingProblem, labels, reference: int, tie: np.ndarr
     members: dict[int, list[int]] = {}
     for i in np.flatnonzero(layer >= 0):
         members.setdefault(int(layer[i]), []).append(int(i))
-    reference_nodes = members.get(reference, [])
+    references = _references(problem, labels[1], members)
+    if reference in members:
+        references = {k: reference if r == references[reference] else r
+                      for k, r in references.items()}
     for current, nodes in members.items():
-        if current == reference:
+        if current == references[current]:
             continue
-        left, twins_left = list(nodes), list(reference_nodes)
+        left, twins_left = list(nodes), list(members[references[current]])
         for label in reversed(labels[1:]):
             groups: dict[int, list[int]] = {}
             for i in left:
@@ -108,7 +132,7 @@ def _pair_layers(problem: ShardingProblem, labels, reference: int, tie: np.ndarr
             twins_left = [j for j in twins_left if j not in paired]
         if left:
             log.info("layer %d: %d of %d operators have no structural counterpart in layer %d; "
-                     "they are not tied", current, len(left), len(nodes), reference)
+                     "they are not tied", current, len(left), len(nodes), references[current])
 
 
 def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.ndarray:
@@ -116,7 +140,8 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
 
     Args:
       problem: the sharding problem.
-      reference: layer whose operators the others copy (default: the first layer).
+      reference: layer whose operators the layers of its structure copy (default: the first
+        layer of each structure).
     """
     n = problem.num_nodes
     tie = np.arange(n)

@@ -164,3 +164,100 @@ def test_a_single_block_or_no_numbered_tree_gives_no_layers():
     graph = lower_to_graph(lambda w, x: jax.grad(lambda w: jnp.sum(x @ w))(w),
                            jax.ShapeDtypeStruct((4, 4), F32), jax.ShapeDtypeStruct((2, 4), F32))
     assert {n.layer for n in graph.nodes} == {-1}
+
+
+def test_an_encoders_and_a_decoders_blocks_are_two_stacks():
+    leaves = {"['embed']": (64, 8)}
+    for stack, extra in (("encoder", {}), ("decoder", {"cross": (8, 8)})):
+        for i in range(2):
+            for name, dims in {"w": (8, 8), "norm": (8,), **extra}.items():
+                leaves[f"['{stack}']['layers'][{i}]['{name}']"] = dims
+                # optimizer state of each stack, under the same container name ('layers')
+                leaves[f"['mu']['{stack}']['layers'][{i}]['{name}']"] = dims
+    weights = [not path.startswith("['mu']") for path in leaves]
+    found = _layers(leaves, trainable=weights, forward_read=weights)
+    for stack in ("encoder", "decoder"):
+        layers = [found[f"['{stack}']['layers'][{i}]['w']"] for i in range(2)]
+        assert layers[1] == layers[0] + 1
+        assert [found[f"['mu']['{stack}']['layers'][{i}]['w']"] for i in range(2)] == layers
+    assert sorted({v for v in found.values()}) == [-1, 0, 1, 2, 3]
+
+
+def test_repeats_inside_a_block_of_a_repeated_family_are_no_stack():
+    # a ResNet: two identical first-stage blocks, then a second stage's block whose two convs
+    # have one shape (more bytes than the first stage's blocks)
+    leaves = {f"['ResNetBlock_{i}']['Conv_{j}']['kernel']": (3, 3, 8, 8)
+              for i in range(2) for j in range(2)}
+    leaves.update({f"['ResNetBlock_2']['Conv_{j}']['kernel']": (3, 3, 32, 32) for j in range(2)})
+    leaves["['ResNetBlock_2']['proj']['kernel']"] = (1, 1, 8, 32)
+    found = _layers(leaves)
+    assert [found[f"['ResNetBlock_{i}']['Conv_0']['kernel']"] for i in range(3)] == [0, 1, -1]
+
+
+def _encoder_decoder():
+    """Two stacks of different blocks, plain jax: every decoder block reads the encoder's
+    (normed) output."""
+
+    def norm(h):
+        return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+    def model(params, x, y):
+        h = x @ params["embed"]
+        for block in params["encoder"]:
+            h = h + jax.nn.relu((norm(h) * block["scale"]) @ block["up"]) @ block["down"]
+        memory = norm(h)
+        g = y @ params["embed"]
+        for block in params["decoder"]:
+            g = g + jax.nn.relu((norm(g) * block["scale"]) @ block["up"]) @ block["down"]
+            g = g + jnp.tanh(memory @ block["cross"]) * g
+        return norm(g) @ params["head"]
+
+    def step(params, momentum, x, y, target):
+        grads = jax.grad(lambda p: jnp.mean((model(p, x, y) - target) ** 2))(params)
+        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
+        return jax.tree.map(lambda p, m: p - 0.01 * m, params, momentum), momentum
+
+    block = {"scale": (16,), "up": (16, 32), "down": (32, 16)}
+    shapes = {"embed": (4, 16), "head": (16, 2), "encoder": [block] * 2,
+              "decoder": [{**block, "cross": (16, 16)}] * 3}
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, F32), shapes,
+                          is_leaf=lambda s: isinstance(s, tuple))
+    data = [jax.ShapeDtypeStruct(s, F32) for s in ((8, 4), (8, 4), (8, 2))]
+    return lower_to_graph(step, params, params, *data)
+
+
+def test_an_encoder_decoder_has_the_layers_of_both_stacks_in_forward_order():
+    graph = _encoder_decoder()
+    report = layer_report(graph)
+    # the printed module need not run the encoder first; the layers do
+    assert report.layers == 5
+    # the last decoder layer's backward pass lacks one add: the encoder output's gradient sums
+    # the three decoder layers' terms in two adds
+    assert [report.structure[k] for k in range(4)] == [0, 0, 1, 1]
+    assert report.nodes[4]["forward"] == report.nodes[3]["forward"]
+    for node in graph.nodes:
+        if node.phase == Phase.PARAM and node.layer >= 0:
+            path = path_components(node.op_name)
+            stack = "encoder" if "encoder" in path else "decoder"
+            index = path[path.index(stack) + 1]
+            assert node.layer == index + (0 if stack == "encoder" else 2), path
+    # the encoder's final norm (its rsqrt) and the decoder's embedding stay outside layers
+    rsqrts = [n.layer for n in graph.nodes
+              if n.opcode == "rsqrt" and n.phase == Phase.FORWARD]
+    assert sorted(rsqrts) == [-1, -1, 0, 1, 2, 3, 4]
+    embeds = {n.layer for n in graph.nodes if n.opcode == "dot" and n.phase == Phase.FORWARD
+              and "embed" in path_components(graph.nodes[n.operands[1]].op_name)}
+    assert embeds == {-1}
+
+
+def test_blocks_held_in_a_list_that_do_not_run_one_after_another_are_no_layers():
+    # experts in a list: each reads the block's input, none reads another's output
+    def step(params, x):
+        def loss(p):
+            return jnp.sum(sum(jax.nn.relu(x @ e["w"]) for e in p["experts"]) ** 2)
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {"experts": [{"w": jax.ShapeDtypeStruct((8, 8), F32)}] * 3}
+    graph = lower_to_graph(step, params, jax.ShapeDtypeStruct((4, 8), F32))
+    assert {n.layer for n in graph.nodes} == {-1}

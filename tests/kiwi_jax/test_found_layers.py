@@ -163,3 +163,27 @@ def test_the_structural_attention_core_holds_the_scoped_one():
         found & ~scoped)}
     # beyond the scope: constants only the core reads, and the merge of the heads (a view)
     assert extra <= {("constant", True), ("broadcast", True), ("reshape", False)}
+
+
+def test_an_encoder_decoders_layers_are_both_stacks_module_scopes():
+    """The zoo's Linen encoder-decoder: the encoder's blocks are layers 0-1, the decoder's
+    2-3; a node is never put in another block's layer. Some of a block's nodes stay outside
+    layers: its attention mask, built from the batch's padding, which every layer builds
+    alike, and the sums of the decoder layers' terms of the encoder output's gradient."""
+    from experiments.zoo import encdec
+
+    graph = trace(*_unpack(encdec.make(layers=2))).graph
+    scopes = (re.compile(r"/encoder/EncoderLayer_(\d+)/"), re.compile(r"/decoder/DecoderLayer_(\d+)/"))
+    scoped = outside = 0
+    for node in graph.nodes:
+        if node.phase not in (Phase.FORWARD, Phase.BACKWARD):
+            continue
+        found = [(k, int(m[1])) for k, scope in enumerate(scopes) if (m := scope.search(node.op_name))]
+        want = found[0][1] + 2 * found[0][0] if found else -1
+        assert node.layer in (want, -1), (node.name, node.op_name)
+        scoped += want >= 0
+        outside += want >= 0 and node.layer < 0
+    assert outside < 0.03 * scoped, (outside, scoped)
+    report = layer_report(graph)
+    assert report.layers == 4 and report.structure[0] == report.structure[1] != \
+        report.structure[2]

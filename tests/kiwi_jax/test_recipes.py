@@ -28,6 +28,8 @@ GPT = {"layers": 2, "hidden": 16, "heads": 2, "seq": 8, "batch": 8, "vocab": 64}
 MIXER = {"blocks": 2, "hidden_dim": 16, "tokens_mlp_dim": 8, "channels_mlp_dim": 16,
          "batch": 8, "image_size": 16, "patch_size": 8}
 LINEN_MLP = {"layers": 4, "width": 16, "batch": 8}
+ENCDEC = {"layers": 2, "emb_dim": 16, "heads": 2, "mlp_dim": 32, "batch": 8, "seq": 8,
+          "vocab": 64}
 DEEP_LLAMA = {"layers": 4, "dim": 32, "heads": 4, "kv_heads": 2, "batch": 16, "seq": 64,
               "vocab": 64}
 """Activations dominate its memory: the case a per-block policy is for."""
@@ -41,7 +43,7 @@ def _make(model: str):
     if model in ("gpt", "linen_mlp"):
         ref = build(model, **(GPT if model == "gpt" else LINEN_MLP))
         return ref.train_step, (*ref.init(0), ref.batch(0))
-    sizes = {"llama": LLAMA, "mixer": MIXER}[model]
+    sizes = {"llama": LLAMA, "mixer": MIXER, "encdec": ENCDEC}[model]
     return zoo.make(model, abstract=False, **sizes)
 
 
@@ -104,6 +106,19 @@ def test_linen_blocks_run_under_the_policy(mesh24):
     assert made.blocks == (("MixerBlock_0",), ("MixerBlock_1",))
     text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
     assert len(re.findall(r"\b(?:checkpoint|remat2?)\[", text)) >= 2
+
+
+def test_an_encoders_and_a_decoders_blocks_all_run_under_the_policy(mesh24, plain_losses):
+    step, args = _make("encdec")
+    made = recipe_step(step, args, mesh24, "dp/dots_saveable")
+    assert made.blocks == (("decoder", "DecoderLayer_0"), ("decoder", "DecoderLayer_1"),
+                           ("encoder", "EncoderLayer_0"), ("encoder", "EncoderLayer_1"))
+    text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+    assert len(re.findall(r"\b(?:checkpoint|remat2?)\[", text)) >= 4
+    placed = jax.device_put(_copy(made.pure.args), made.in_shardings)
+    compiled = made.jitted.lower(*made.pure.args).compile(compiler_options=FAST_COMPILE)
+    losses = _losses(compiled, placed, made.state_out)
+    assert np.allclose(losses, plain_losses("encdec"), rtol=1e-6, atol=0)
 
 
 def _only(found: dict):

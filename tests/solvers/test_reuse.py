@@ -51,3 +51,29 @@ def test_a_misplaced_boundary_ties_nothing_to_the_wrong_operator(layers):
     tied = [i for i in range(problem.num_nodes) if tie[i] != i]
     assert all(kinds[tie[i]] == kinds[i] for i in tied), [(kinds[i], kinds[tie[i]])
                                                           for i in tied]
+
+
+def test_each_stack_of_layers_ties_to_its_own_first_layer():
+    # an encoder's two blocks (add, multiply, add) then a decoder's two (add, multiply,
+    # exponential, multiply, add), chained
+    opcode = {"start": "add", "scale": "multiply", "gate": "exponential", "mix": "multiply",
+              "end": "add"}
+    blocks = [("start", "scale", "end")] * 2 + [("start", "scale", "gate", "mix", "end")] * 2
+    phases, edges, compute, memory = [Phase.PARAM], [], [[0.0]], [[10]]
+    opcodes, kinds, layer = ["param"], [""], [-1]
+    for number, block in enumerate(blocks):
+        for kind in block:
+            edges.append((len(phases) - 1, len(phases)))
+            phases.append(Phase.FORWARD)
+            compute.append([1.0 + KINDS.index(kind) if kind in KINDS else 4.0])
+            memory.append([100])
+            opcodes.append(opcode[kind])
+            kinds.append(kind)
+            layer.append(number)
+    problem = make_problem(phases, edges, compute, memory, outputs=(len(phases) - 1,),
+                           layer=layer, opcodes=opcodes)
+    tie = layer_ties(problem)
+    for i in np.flatnonzero(problem.layer >= 0):
+        twin = int(tie[i])
+        assert kinds[twin] == kinds[i]
+        assert problem.layer[twin] == {0: 0, 1: 0, 2: 2, 3: 2}[int(problem.layer[i])], i
