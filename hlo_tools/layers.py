@@ -189,10 +189,10 @@ def parameter_stacks(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
 
     A stack is a family's run of identical members (:meth:`_Family.repeats`) of weights (read
     by the forward pass and by the optimizer) that lies inside no member of a family with such
-    a run: a block's ``Dense_0``/``Dense_1`` are no stack, nor are a ResNet's second stage's
-    first block's ``Conv_0``/``Conv_1`` when its first stage's blocks repeat. The run with the
-    most bytes comes first, then every other run that shares no leaf with those taken. Optimizer state
-    that mirrors a stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name
+    a run: a block's ``Dense_0``/``Dense_1`` are no stack, nor are the ``Conv_0``/``Conv_1``
+    of a ResNet block that repeats no other (``ResNetBlock_3``) when other blocks of its family
+    repeat. The run with the most bytes comes first, then every other run that shares no leaf
+    with those taken. Optimizer state that mirrors a stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name
     and the same sub-trees up to dtype, never read by the forward pass) joins the stack whose
     path it ends alike with the most components (``mu/encoder`` the ``encoder``'s).
 

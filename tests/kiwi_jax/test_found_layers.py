@@ -173,12 +173,14 @@ def test_an_encoder_decoders_layers_are_both_stacks_module_scopes():
     from experiments.zoo import encdec
 
     graph = trace(*_unpack(encdec.make(layers=2))).graph
-    scopes = (re.compile(r"/encoder/EncoderLayer_(\d+)/"), re.compile(r"/decoder/DecoderLayer_(\d+)/"))
+    scopes = (re.compile(r"/encoder/EncoderLayer_(\d+)/"),
+              re.compile(r"/decoder/DecoderLayer_(\d+)/"))
     scoped = outside = 0
     for node in graph.nodes:
         if node.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
-        found = [(k, int(m[1])) for k, scope in enumerate(scopes) if (m := scope.search(node.op_name))]
+        found = [(k, int(m[1])) for k, scope in enumerate(scopes)
+                 if (m := scope.search(node.op_name))]
         want = found[0][1] + 2 * found[0][0] if found else -1
         assert node.layer in (want, -1), (node.name, node.op_name)
         scoped += want >= 0
