@@ -192,9 +192,10 @@ def parameter_stacks(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
     a run: a block's ``Dense_0``/``Dense_1`` are no stack, nor are the ``Conv_0``/``Conv_1``
     of a ResNet block that repeats no other (``ResNetBlock_3``) when other blocks of its family
     repeat. The run with the most bytes comes first, then every other run that shares no leaf
-    with those taken. Optimizer state that mirrors a stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name
-    and the same sub-trees up to dtype, never read by the forward pass) joins the stack whose
-    path it ends alike with the most components (``mu/encoder`` the ``encoder``'s).
+    with those taken. Optimizer state that mirrors a stack (Adam's ``mu`` and ``nu``: a family
+    with the same pattern and name and the same sub-trees up to dtype, never read by the
+    forward pass) joins the stack whose path it ends alike with the most components
+    (``mu/encoder`` the ``encoder``'s).
 
     Args:
       paths: per input, its path components (:func:`path_components`).
