@@ -33,6 +33,7 @@ from kiwi_jax.models import build
 from solvers.lynx import layer_ops, split_costs
 from solvers.pipeline import Block, ModelProfile
 from solvers.phase import Phase
+from solvers.reuse import REPEAT_SHARE
 
 __all__ = ["model_profile", "problem_profile"]
 
@@ -103,7 +104,8 @@ def problem_profile(problem, layers: int, cluster="a100-nvlink", micro_batch: in
       time_limit: seconds for the no-limit reference plan.
 
     Raises:
-      ValueError: the problem has fewer than two layers.
+      ValueError: the problem has fewer than two layers, or layers of several structures (an
+        encoder's and a decoder's).
     """
     found = np.unique(problem.layer[problem.layer >= 0])
     if len(found) < 2:
@@ -112,6 +114,15 @@ def problem_profile(problem, layers: int, cluster="a100-nvlink", micro_batch: in
             f"{len(found)}: name scopes layer_<i>, or numbered blocks of identical parameters "
             "in the parameter tree (blocks[i], layers_i); lower the step with two layers or "
             "more")
+    for layer in found[1:]:
+        nodes = np.flatnonzero(problem.layer == layer)
+        share = float(np.mean(problem.layer[problem.ties[nodes]] == found[0]))
+        if share < REPEAT_SHARE:
+            raise ValueError(
+                f"pipeline profiling models the step as one run of identical layers, but only "
+                f"{share:.0%} of layer {layer}'s operators repeat layer {found[0]}'s: the step "
+                "has layers of several structures (an encoder's and a decoder's blocks), which "
+                "the pipeline model cannot represent; plan it on one stage (solver 'kiwi')")
     plan = solvers.reference_plan(problem, time_limit=time_limit)
     strategy = plan.strategy
     compute, comm = split_costs(problem, strategy)

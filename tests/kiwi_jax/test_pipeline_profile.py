@@ -86,3 +86,12 @@ def test_profiling_a_step_without_repeated_layers_says_what_it_needs():
     built, _ = problem_for_step(step, *args, mesh="1x2")
     with pytest.raises(ValueError, match="at least two repeated layers, found 0.*layers_i"):
         problem_profile(built.problem, layers=6)
+
+
+def test_profiling_a_step_with_an_encoders_and_a_decoders_layers_says_it_cannot():
+    from experiments.zoo import encdec
+
+    step, args = encdec.make(layers=2)
+    built, _ = problem_for_step(step, *args, mesh="1x2")
+    with pytest.raises(ValueError, match="several structures.*solver 'kiwi'"):
+        problem_profile(built.problem, layers=6)
