@@ -11,7 +11,9 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    the index, with the same shapes and types): a family's longest run of at least two
    consecutive such members is a stack of layers (an MLP's hidden layers between input and
    output projections of other shapes); a ``conv_0``/``conv_1`` pair of different shapes is
-   none. Stacks are runs of trainable weights (read by the forward pass and by the optimizer)
+   none. The run takes in the consecutive members beside it that hold at least its leaf
+   paths, in other shapes or with more (a ResNet's next stage: its first block adds a
+   projection, its blocks are wider). Stacks are runs of trainable weights (read by the forward pass and by the optimizer)
    that lie inside no member of another family with a run (a block's nested
    ``Dense_0``/``Dense_1`` are none), taken by bytes while they share no leaf: an
    encoder's and a decoder's are two stacks (:func:`parameter_stacks`). A stack's members
@@ -158,6 +160,21 @@ class _Family:
                 best = list(run)
         return best if len(best) >= 2 else []
 
+    def extended(self, run: list[int]) -> list[int]:
+        """``run`` with the consecutive members on either side that hold at least its members'
+        leaf paths, in other shapes or with more: a ResNet stage's first block (its
+        projection added) and the blocks of the next stage (another width)."""
+        order = sorted(self.members)
+        want = set(self.members[run[0]])
+        lo, hi = order.index(run[0]), order.index(run[-1])
+        while lo > 0 and order[lo - 1] == order[lo] - 1 \
+                and set(self.members[order[lo - 1]]) >= want:
+            lo -= 1
+        while hi + 1 < len(order) and order[hi + 1] == order[hi] + 1 \
+                and set(self.members[order[hi + 1]]) >= want:
+            hi += 1
+        return order[lo:hi + 1]
+
 
 def _families(paths: Sequence[tuple], shapes) -> list[_Family]:
     groups: dict[tuple, dict[int, dict]] = {}
@@ -205,7 +222,7 @@ def parameter_stacks(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
       forward_read: per input, whether the forward pass reads it.
     """
     families = _families(paths, shapes)
-    runs = [f.only(run) for f in families if (run := f.repeats(shapes))]
+    runs = [f.only(f.extended(run)) for f in families if (run := f.repeats(shapes))]
     runs = [f for f in runs if all(trainable[leaf] for leaf in f.leaves())]
     repeated = {(f.prefix, f.pattern) for f in runs}
     runs = [f for f in runs if not any((f.prefix[:j], found[0]) in repeated
@@ -241,10 +258,10 @@ def parameter_stacks(paths: Sequence[tuple], shapes, trainable: Sequence[bool],
 
 def _mirrors(family: _Family, stack: _Family, shapes, forward_read) -> bool:
     order = sorted(stack.members)
-    want = stack.signature(order[0], shapes, dims_only=True)
     return (family.name == stack.name and family.prefix != stack.prefix
             and set(order) <= set(family.members)
-            and all(family.signature(k, shapes, True) == want for k in order)
+            and all(family.signature(k, shapes, True) == stack.signature(k, shapes, True)
+                    for k in order)
             and not any(forward_read[leaf] for leaf in family.only(order).leaves()))
 
 

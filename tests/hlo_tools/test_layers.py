@@ -183,15 +183,22 @@ def test_an_encoders_and_a_decoders_blocks_are_two_stacks():
     assert sorted({v for v in found.values()}) == [-1, 0, 1, 2, 3]
 
 
-def test_repeats_inside_a_block_of_a_repeated_family_are_no_stack():
-    # a ResNet: two identical first-stage blocks, then a second stage's block whose two convs
-    # have one shape (more bytes than the first stage's blocks)
+def test_a_resnets_stages_are_one_stack_and_the_convs_inside_a_block_none():
+    # two identical first-stage blocks; the second stage's first block adds a projection and
+    # its convs are wider (one shape: a same-shaped pair with more bytes than a whole
+    # first-stage block), its second block has the first stage's paths in its own width
     leaves = {f"['ResNetBlock_{i}']['Conv_{j}']['kernel']": (3, 3, 8, 8)
               for i in range(2) for j in range(2)}
-    leaves.update({f"['ResNetBlock_2']['Conv_{j}']['kernel']": (3, 3, 32, 32) for j in range(2)})
+    leaves.update({f"['ResNetBlock_{i}']['Conv_{j}']['kernel']": (3, 3, 32, 32)
+                   for i in (2, 3) for j in range(2)})
     leaves["['ResNetBlock_2']['proj']['kernel']"] = (1, 1, 8, 32)
+    leaves["['head']['kernel']"] = (32, 10)
     found = _layers(leaves)
-    assert [found[f"['ResNetBlock_{i}']['Conv_0']['kernel']"] for i in range(3)] == [0, 1, -1]
+    for i in range(4):
+        assert found[f"['ResNetBlock_{i}']['Conv_0']['kernel']"] == i
+        assert found[f"['ResNetBlock_{i}']['Conv_1']['kernel']"] == i
+    assert found["['ResNetBlock_2']['proj']['kernel']"] == 2
+    assert found["['head']['kernel']"] == -1
 
 
 def _encoder_decoder():

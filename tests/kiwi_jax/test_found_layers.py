@@ -189,3 +189,23 @@ def test_an_encoder_decoders_layers_are_both_stacks_module_scopes():
     report = layer_report(graph)
     assert report.layers == 4 and report.structure[0] == report.structure[1] != \
         report.structure[2]
+
+
+def test_a_resnets_blocks_of_both_stages_are_its_layers():
+    """The zoo's Linen ResNet: stage 1's two blocks repeat, stage 2's first block adds a
+    projection and its blocks are wider; all four are layers. Nodes of the last block after
+    its last weight read (the end of a layer is matched against the layer before's, which
+    differs here) stay outside layers."""
+    from experiments.zoo import resnet
+
+    graph = trace(*_unpack(resnet.make())).graph
+    scope = re.compile(r"/ResNetBlock_(\d+)/")
+    scoped = inside = elsewhere = 0
+    for node in graph.nodes:
+        if node.phase in (Phase.FORWARD, Phase.BACKWARD) and (m := scope.search(node.op_name)):
+            scoped += 1
+            inside += node.layer == int(m[1])
+            elsewhere += node.layer not in (int(m[1]), -1)
+    assert inside > 0.8 * scoped and elsewhere < 0.01 * scoped, (inside, elsewhere, scoped)
+    report = layer_report(graph)
+    assert report.layers == 4 and report.structures == 3
