@@ -353,8 +353,10 @@ def _next_guess(target: float, lo, hi, low: int, high: int | None, after: str) -
         guess = b0 + (target - c0) * (b1 - b0) / (c1 - c0)
         margin = SHRINK * (high - low)
         guess = min(max(guess, low + margin), high - margin)
-    elif hi is not None:                        # only over: scale down by the ratio
+    elif hi is not None:                        # only over: scale down by the ratio,
         guess = hi[0] * target / hi[1]
+        if guess <= low:                        # or halve where that is under what has no
+            guess = (low + high) // 2           # plan (a byte above it would have none)
     else:                                       # only under: scale up by the ratio
         guess = lo[0] * target / lo[1]
     guess = max(int(round(guess)), low)

@@ -95,6 +95,21 @@ def test_no_plan_compiles_under_and_none_is_tighter():
     assert result.plan.name == "C" and not result.record.fits      # the closest, flagged
 
 
+def test_over_and_no_plan_under_the_ratio_halves_instead_of_creeping_up_by_a_byte():
+    # every plan compiles 30% over its prediction and nothing is feasible under 800: the
+    # ratio's guess after each plan over the budget falls under the smallest budget known to
+    # have no plan (the zoo ViT on one device: 929,454, 929,455, 929,456 B were solved in turn)
+    def answers(budget):
+        return None if budget < 800 else FakePlan(str(budget), budget, 2000 / budget,
+                                                  int(1.3 * budget))
+
+    land = Landscape(answers=answers)
+    result = land.fit(1000, unlimited=None, max_compiles=10, max_solves=12)
+    failed = sorted(b for b in land.solved if b < 800)
+    assert all(b - a > 1 for a, b in zip(failed, failed[1:])), land.solved
+    assert not result.record.fits and result.record.stop == FitStop.CONVERGED
+
+
 def test_no_plan_at_the_start_tries_looser_solver_budgets():
     # at the model's smallest feasible budget the program is at its tightest, and its solve may
     # end at the time limit without a plan (the zoo mixer on 2x4 at 80%)
