@@ -87,6 +87,11 @@ class FitStop(enum.Enum):
     """The solver has no plan where the search needs one: at the start and
     :data:`NO_PLAN_RETRIES` looser solver budgets, or under every tighter solver budget left
     (the plans compiled over the budget)."""
+    BLOCKS = "blocks"
+    """No plan of the search fit, and the whole-block recomputation did (set by the decorator
+    on one device, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps
+    its input and recomputes the rest, compiled as its export, which is the step
+    ``nothing_saveable`` gives."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
-from kiwi_jax.fit import FIT_COMPILES, FitStop, fit_budget
+from kiwi_jax.fit import FIT_COMPILES, FitStop, FitTrial, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
@@ -449,6 +449,10 @@ class OptimizedStep:
             start=None if first is not None else infeasible.min_feasible_bytes, floor=floor,
             max_compiles=options.fit_compiles, step_tolerance=options.mip_gap)
         record = result.record
+        if not record.fits and options.mesh.devices.size == 1:
+            whole = self._whole_blocks(traced, build, abstract, budget, record, applied)
+            if whole is not None:
+                return whole, applied[whole.fingerprint]
         if result.plan is None or (not record.fits and infeasible is not None):
             if not applied:                     # nothing compiled: the model's error stands
                 raise infeasible
@@ -472,6 +476,39 @@ class OptimizedStep:
             result.plan, budget_bytes=budget, fit=record,
             solver_budget_bytes=None if solver_budget == budget else solver_budget)
         return plan, applied[result.plan.fingerprint]
+
+    def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
+                      applied: dict[str, CompiledPlan]) -> Plan | None:
+        """On one device, when no plan of the budget search fits: the planner's whole-block
+        recomputation (``alpa+full``: each layer keeps its input and recomputes the rest),
+        compiled as the decorator runs it, if it fits (None otherwise). Run as its export
+        (each block under its layer's ``jax.checkpoint``) it is the step ``nothing_saveable``
+        gives: on the zoo mixer, ViT, Llama and encoder-decoder on one device it compiled to
+        those policies' bytes exactly, where the search's smallest plans were 7.7-9.9% over
+        them (``docs/benchmarks.md``). The plan's ``fit`` record says it was chosen so
+        (``FitStop.BLOCKS``)."""
+        options = self.options
+        try:
+            solution = solvers.solve(build.problem, None, solver="alpa+full",
+                                     **options.solver_options())
+        except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+            log.info("%s: no whole-block plan (%s)", self.__name__, error)
+            return None
+        plan = plan_from_solution(build, solution, budget)
+        if not plan.recomputed:
+            return None
+        if plan.fingerprint not in applied:
+            applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
+        compiled = applied[plan.fingerprint].memory.peak_bytes
+        log.info("%s: whole-block recomputation compiles to %d B (budget %d B)", self.__name__,
+                 compiled, budget)
+        if compiled > budget:
+            return None
+        trial = FitTrial(budget, plan.predicted_peak_bytes, compiled, plan.predicted_step_seconds)
+        fit = dataclasses.replace(record, trials=(*record.trials, trial),
+                                  chosen=len(record.trials), stop=FitStop.BLOCKS,
+                                  solves=record.solves + 1)
+        return dataclasses.replace(plan, fit=fit)
 
     def _warn_over_budget(self, plan: Plan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit

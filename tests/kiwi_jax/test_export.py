@@ -16,6 +16,8 @@ from experiments import zoo
 from hlo_tools.compiled import device_memory
 from kiwi_jax.compile import compile_plan, compiler_options
 from kiwi_jax.export import LayerPolicy, PlanExport, compile_exported, operation
+from kiwi_jax.fit import FitStop
+from kiwi_jax.recipes import compile_recipe
 from tests.kiwi_jax import named_model
 
 
@@ -186,3 +188,19 @@ def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_sm
                           prepared.traced.pure).memory.peak_bytes
     assert values > plan.budget_bytes >= blocks
     assert applied.program == "blocks" and applied.memory.peak_bytes == blocks
+
+
+def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_search_fits():
+    # the zoo ViT at nothing_saveable's compiled memory, one compile for the search: its plan
+    # compiles over (1.257 of it at the default six, 1.099 at best), and the planner's
+    # whole-block recomputation, run as its export, fits
+    step, args = zoo.make("vit")
+    mesh = _mesh((1, 1))
+    budget = compile_recipe(step, args, mesh, "dp/nothing_saveable").memory.peak_bytes
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget=budget, cache_dir=False,
+                                  recipes=False, fit_compiles=1)
+    prepared = optimized.lower(*args)
+    plan, applied = prepared.plan, prepared.applied
+    assert plan.fit.stop == FitStop.BLOCKS and plan.fit.trials[0].compiled_peak_bytes > budget
+    assert plan.solver == "alpa+full" and applied.program == "blocks"
+    assert plan.fit.fits and applied.memory.peak_bytes <= budget
