@@ -162,6 +162,10 @@ class FitRecord:
                  f"{self.solves} solve{'s' if self.solves != 1 else ''}")
         if self.chosen is None:
             return f"{spent}: no plan measured (stopped: {self.stop.value})"
+        if self.stop == FitStop.BLOCKS:
+            return (f"{spent}: no plan of the search fit; whole-block recomputation compiled "
+                    f"{self.compiled_peak_bytes:,} B = {self.ratio:.3f} of the "
+                    f"{self.budget_bytes:,} B budget (stopped: {self.stop.value})")
         return (f"{spent}: compiled "
                 f"{self.compiled_peak_bytes:,} B = {self.ratio:.3f} of the "
                 f"{self.budget_bytes:,} B budget at solver budget {self.solver_budget_bytes:,} B"

@@ -657,9 +657,14 @@ class OptimizedStep:
             parts.append(f"kiwi's plan: none ({prepared.choice.kiwi_error})")
         else:
             text = explain(prepared.build, self.plan, verbose=verbose)
+            whole = self.plan.fit is not None and self.plan.fit.stop == FitStop.BLOCKS
             held = (self.options.solver in HOLD_THE_REFERENCE       # see _plan
-                    and self.plan.solver != self.options.solver)
-            if held:
+                    and self.plan.solver != self.options.solver and not whole)
+            if whole:
+                text = (f"kiwi's plan is the whole-block recomputation ({self.plan.solver}: "
+                        f"each layer keeps its input and recomputes the rest): no plan of the "
+                        f"budget search fit the budget, this one does\n{text}")
+            elif held:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
                         f"so {self.options.solver!r} solved nothing\n{text}")

@@ -204,3 +204,4 @@ def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_searc
     assert plan.fit.stop == FitStop.BLOCKS and plan.fit.trials[0].compiled_peak_bytes > budget
     assert plan.solver == "alpa+full" and applied.program == "blocks"
     assert plan.fit.fits and applied.memory.peak_bytes <= budget
+    assert "whole-block recomputation" in optimized.explain()
