@@ -90,8 +90,8 @@ class FitStop(enum.Enum):
     BLOCKS = "blocks"
     """No plan of the search fit, and the whole-block recomputation did (set by the decorator
     on one device, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps
-    its input and recomputes the rest, compiled as its export, which is the step
-    ``nothing_saveable`` gives."""
+    its input and recomputes the rest, compiled as its export (close to the step
+    ``nothing_saveable`` gives)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -480,12 +480,15 @@ class OptimizedStep:
     def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
                       applied: dict[str, CompiledPlan]) -> Plan | None:
         """On one device, when no plan of the budget search fits: the planner's whole-block
-        recomputation (``alpa+full``: each layer keeps its input and recomputes the rest),
-        compiled as the decorator runs it, if it fits (None otherwise). Run as its export
-        (each block under its layer's ``jax.checkpoint``) it is the step ``nothing_saveable``
-        gives: on the zoo mixer, ViT, Llama and encoder-decoder on one device it compiled to
-        those policies' bytes exactly, where the search's smallest plans were 7.7-9.9% over
-        them (``docs/benchmarks.md``). The plan's ``fit`` record says it was chosen so
+        recomputation (``alpa+full``: each layer keeps its input and recomputes the rest that
+        eq. 9 and its chains allow), compiled as the decorator runs it, if it fits (None
+        otherwise). Run as its export (each block under its layer's ``jax.checkpoint``) it is
+        close to the step ``nothing_saveable`` gives, where the search's smallest plans were
+        7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem charged
+        with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
+        encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' (a
+        byte budget), which leave some values undroppable, the ViT's to 3.2% under it and the
+        mixer's 7.3% over. The plan's ``fit`` record says it was chosen so
         (``FitStop.BLOCKS``)."""
         options = self.options
         try:
