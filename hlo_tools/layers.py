@@ -11,9 +11,9 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    the index, with the same shapes and types): a family's longest run of at least two
    consecutive such members is a stack of layers (an MLP's hidden layers between input and
    output projections of other shapes); a ``conv_0``/``conv_1`` pair of different shapes is
-   none. The run takes in the consecutive members beside it that hold at least its leaf
-   paths, in other shapes or with more (a ResNet's next stage: its first block adds a
-   projection, its blocks are wider). Stacks are runs of trainable weights (read by the
+   none. A run of blocks of modules takes in the consecutive members beside it that hold at
+   least its leaf paths, in other shapes or with more (a ResNet's next stage: its first block
+   adds a projection, its blocks are wider; an MLP's input and output ``Dense`` stay out). Stacks are runs of trainable weights (read by the
    forward pass and by the optimizer) that lie inside no member of another family with a run
    (a block's nested ``Dense_0``/``Dense_1`` are none), taken by bytes while they share no
    leaf: an encoder's and a decoder's are two stacks (:func:`parameter_stacks`). A stack's
@@ -163,9 +163,14 @@ class _Family:
     def extended(self, run: list[int]) -> list[int]:
         """``run`` with the consecutive members on either side that hold at least its members'
         leaf paths, in other shapes or with more: a ResNet stage's first block (its
-        projection added) and the blocks of the next stage (another width)."""
+        projection added) and the blocks of the next stage (another width). Only a run of
+        blocks of modules (every leaf two or more levels below the member, an NNX variable's
+        ``value`` not counted) is extended: an MLP's input and output projections, single
+        ``Dense`` layers with a kernel and a bias like its hidden layers, stay outside."""
         order = sorted(self.members)
         want = set(self.members[run[0]])
+        if any(len(suffix) - (suffix[-1:] == ("value",)) < 2 for suffix in want):
+            return run
         lo, hi = order.index(run[0]), order.index(run[-1])
         while lo > 0 and order[lo - 1] == order[lo] - 1 \
                 and set(self.members[order[lo - 1]]) >= want:

@@ -268,3 +268,18 @@ def test_blocks_held_in_a_list_that_do_not_run_one_after_another_are_no_layers()
     params = {"experts": [{"w": jax.ShapeDtypeStruct((8, 8), F32)}] * 3}
     graph = lower_to_graph(step, params, jax.ShapeDtypeStruct((4, 8), F32))
     assert {n.layer for n in graph.nodes} == {-1}
+
+
+def test_an_mlps_projections_of_other_widths_stay_out_of_its_stack_of_hidden_layers():
+    # Linen's dense_0 ... dense_3 (kernel and bias each): only the two identical hidden
+    # layers are a stack; and NNX's Linear layers hold their arrays in a variable's value
+    for member, leaf in (("['dense_{i}']", "['{name}']"),
+                         ("['linears'][{i}]", "['{name}'].value")):
+        widths = [(4, 16), (16, 16), (16, 16), (16, 2)]
+        leaves = {}
+        for i, (a, b) in enumerate(widths):
+            leaves[member.format(i=i) + leaf.format(name="kernel")] = (a, b)
+            leaves[member.format(i=i) + leaf.format(name="bias")] = (b,)
+        found = _layers(leaves)
+        assert [found[member.format(i=i) + leaf.format(name="kernel")]
+                for i in range(4)] == [-1, 0, 1, -1]
