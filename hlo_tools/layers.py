@@ -13,16 +13,17 @@ Linen list attribute), ``Block_3`` (a Linen ``@nn.compact`` loop), ``h_3``, ``en
    output projections of other shapes); a ``conv_0``/``conv_1`` pair of different shapes is
    none. A run of blocks of modules takes in the consecutive members beside it that hold at
    least its leaf paths, in other shapes or with more (a ResNet's next stage: its first block
-   adds a projection, its blocks are wider; an MLP's input and output ``Dense`` stay out). Stacks are runs of trainable weights (read by the
-   forward pass and by the optimizer) that lie inside no member of another family with a run
-   (a block's nested ``Dense_0``/``Dense_1`` are none), taken by bytes while they share no
-   leaf: an encoder's and a decoder's are two stacks (:func:`parameter_stacks`). A stack's
-   members must run one after another in the forward pass (each block's weights read after
-   the block before it: not experts held in a list). Layers are numbered stack after stack,
-   in the order the forward pass runs the stacks (a decoder reading the encoder's output
-   after the encoder), a member's layer by its position in the run. Optimizer state that
-   mirrors a stack (Adam's ``mu`` and ``nu``: a family with the same pattern and name and the
-   same sub-trees up to dtype, never read by the forward pass) takes the same layers.
+   adds a projection, its blocks are wider; an MLP's input and output ``Dense`` stay out).
+   Stacks are runs of trainable weights (read by the forward pass and by the optimizer) that
+   lie inside no member of another family with a run (a block's nested ``Dense_0``/``Dense_1``
+   are none), taken by bytes while they share no leaf: an encoder's and a decoder's are two
+   stacks (:func:`parameter_stacks`). A stack's members must run one after another in the
+   forward pass (each block's weights read after the block before it: not experts held in a
+   list). Layers are numbered stack after stack, in the order the forward pass runs the
+   stacks (a decoder reading the encoder's output after the encoder), a member's layer by its
+   position in the run. Optimizer state that mirrors a stack (Adam's ``mu`` and ``nu``: a
+   family with the same pattern and name and the same sub-trees up to dtype, never read by
+   the forward pass) takes the same layers.
 2. Forward operators, from the layer parameters they depend on. ``down(v)``: the largest layer
    whose parameters are ancestors of v; ``up(v)``: the smallest layer whose parameters are read
    by v or by a forward descendant of v. A node with ``down = up = L`` lies between two reads of
