@@ -33,7 +33,7 @@ from kiwi_jax.models import build
 from solvers.lynx import layer_ops, split_costs
 from solvers.pipeline import Block, ModelProfile
 from solvers.phase import Phase
-from solvers.reuse import REPEAT_SHARE
+from solvers.reuse import REPEAT_SHARE, tie_shares
 
 __all__ = ["model_profile", "problem_profile"]
 
@@ -114,10 +114,9 @@ def problem_profile(problem, layers: int, cluster="a100-nvlink", micro_batch: in
             f"{len(found)}: name scopes layer_<i>, or numbered blocks of identical parameters "
             "in the parameter tree (blocks[i], layers_i); lower the step with two layers or "
             "more")
-    for layer in found[1:]:
-        nodes = np.flatnonzero(problem.layer == layer)
-        share = float(np.mean(problem.layer[problem.ties[nodes]] == found[0]))
-        if share < REPEAT_SHARE:
+    for layer, shares in tie_shares(problem).items():
+        share = shares.get(int(found[0]), 0.0)
+        if layer != found[0] and share < REPEAT_SHARE:
             raise ValueError(
                 f"pipeline profiling models the step as one run of identical layers, but only "
                 f"{share:.0%} of layer {layer}'s operators repeat layer {found[0]}'s: the step "

@@ -37,7 +37,7 @@ import numpy as np
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["layer_ties", "with_layer_ties", "has_ties", "inner_repeats"]
+__all__ = ["layer_ties", "with_layer_ties", "has_ties", "inner_repeats", "tie_shares"]
 
 log = logging.getLogger(__name__)
 
@@ -212,17 +212,30 @@ def inner_repeats(problem: ShardingProblem, tie: np.ndarray) -> np.ndarray:
     layer = problem.layer
     inner = np.zeros(problem.num_nodes, bool)
     runs: dict[int, list[int]] = {}
-    for current in np.unique(layer[layer >= 0]):
-        nodes = np.flatnonzero(layer == current)
-        twins = layer[tie[nodes]]
-        reference, count = np.unique(twins, return_counts=True)
-        best = int(reference[np.argmax(count)])
-        if count.max() >= REPEAT_SHARE * len(nodes):
-            runs.setdefault(best, []).append(int(current))
+    for current, shares in tie_shares(problem, tie).items():
+        best = max(shares, key=shares.get)
+        if shares[best] >= REPEAT_SHARE:
+            runs.setdefault(best, []).append(current)
     for members in runs.values():
         for current in sorted(members)[2:-2]:
             inner[layer == current] = True
     return inner
+
+
+def tie_shares(problem: ShardingProblem, tie: np.ndarray | None = None
+               ) -> dict[int, dict[int, float]]:
+    """Per layer, in layer order, the share of its operators tied to each layer (``tie``,
+    default :attr:`~solvers.problem.ShardingProblem.ties`; to itself: untied), larger shares
+    first, the lower layer first among equals."""
+    layer = problem.layer
+    tie = problem.ties if tie is None else tie
+    out: dict[int, dict[int, float]] = {}
+    for current in np.unique(layer[layer >= 0]):
+        nodes = np.flatnonzero(layer == current)
+        twins, count = np.unique(layer[tie[nodes]], return_counts=True)
+        order = np.argsort(-count, kind="stable")
+        out[int(current)] = {int(twins[k]): float(count[k]) / len(nodes) for k in order}
+    return out
 
 
 REPEAT_SHARE = 0.9
