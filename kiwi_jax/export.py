@@ -64,7 +64,7 @@ from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
 __all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
-           "compile_applied"]
+           "compile_applied", "leaf_paths"]
 
 
 def operation(primitive: str, avals, params: dict) -> str:
@@ -156,7 +156,7 @@ class PlanExport:
             raise ValueError("an export read from JSON knows its arguments' paths, not their "
                              "pytree: pass them, shardings(mesh, state, batch)")
         if args:
-            paths, tree = _leaf_paths(args), jax.tree.structure(args)
+            paths, tree = leaf_paths(args), jax.tree.structure(args)
             if paths != list(self.specs):
                 wrong = next((f"{a!r} where the plan has {b!r}" for a, b in
                               zip(paths, self.specs) if a != b),
@@ -318,7 +318,7 @@ def _constraint(mesh, spec):
     return constrain
 
 
-def _leaf_paths(args) -> list[str]:
+def leaf_paths(args) -> list[str]:
     """Per leaf of ``args``, its path (``0/0/blocks/0/attn/query/kernel/value``)."""
     return ["/".join(str(c) for c in p[1:]) for p in argument_paths(*args)]
 
@@ -385,7 +385,7 @@ def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> Pl
     graph = traced.graph
     axes = tuple(mesh.axis_names)
     specs = {path: to_partition_spec(plan.specs[node], axes)
-             for path, node in zip(_leaf_paths(traced.pure.args), graph.parameters)}
+             for path, node in zip(leaf_paths(traced.pure.args), graph.parameters)}
 
     rules = fused_values(graph)
     if build.memory_model == "fused":

@@ -22,7 +22,7 @@ from kiwi_jax.cluster import Cluster, Link, MeshSpec
 
 __all__ = ["Spec", "Comm", "enumerate_specs", "replicated", "spec_str", "shard_count",
            "local_bytes", "collective_seconds", "comm_seconds", "reshard_comms",
-           "to_partition_spec"]
+           "to_partition_spec", "from_partition_spec"]
 
 Spec = tuple[tuple[int, ...], ...]
 
@@ -184,3 +184,17 @@ def to_partition_spec(spec: Spec, axis_names: tuple[str, str]):
         None if not axes else (axis_names[axes[0]] if len(axes) == 1
                                else tuple(axis_names[a] for a in axes))
         for axes in spec])
+
+
+def from_partition_spec(partition_spec, rank: int, axis_names: tuple[str, str],
+                        mesh: MeshSpec) -> Spec:
+    """A ``jax.sharding.PartitionSpec`` of a rank-``rank`` tensor over the mesh's axis names as
+    a spec (the inverse of :func:`to_partition_spec`): axes of size 1 split nothing and are
+    left out, as :func:`enumerate_specs` leaves them."""
+    entries = tuple(partition_spec) + (None,) * (rank - len(partition_spec))
+    spec = []
+    for entry in entries:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = (axis_names.index(name) for name in names)
+        spec.append(tuple(sorted(a for a in axes if mesh.shape[a] > 1)))
+    return tuple(spec)

@@ -21,8 +21,8 @@ import numpy as np
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["keep_all", "keep_dots", "keep_megatron", "keep_layer_inputs", "attention_core",
-           "RULES"]
+__all__ = ["keep_all", "keep_dots", "keep_megatron", "keep_layer_inputs", "keep_block_dots",
+           "attention_core", "RULES", "POLICY_RULES"]
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +118,31 @@ def keep_megatron(problem: ShardingProblem) -> np.ndarray:
     return _apply(problem, core)
 
 
-def keep_layer_inputs(problem: ShardingProblem) -> np.ndarray:
-    """Keep each layer's input (values read across a layer boundary), recompute the others."""
+def _crossing(problem: ShardingProblem) -> np.ndarray:
+    """bool per node: values read across a layer boundary (a layer's input or output)."""
     crossing = np.zeros(problem.num_nodes, bool)
     for src, dst in problem.uses:
         if problem.layer[src] != problem.layer[dst]:
             crossing[src] = True
-    return _apply(problem, (problem.layer >= 0) & ~crossing)
+    return crossing
+
+
+def keep_layer_inputs(problem: ShardingProblem) -> np.ndarray:
+    """Keep each layer's input (values read across a layer boundary), recompute the others."""
+    return _apply(problem, (problem.layer >= 0) & ~_crossing(problem))
+
+
+def keep_block_dots(problem: ShardingProblem) -> np.ndarray:
+    """Inside layers, keep the matmul outputs and each layer's input, recompute the rest;
+    outside layers, keep everything: ``jax.checkpoint(policy=dots_saveable)`` around each
+    block (:func:`keep_dots` recomputes outside layers too, as KIWI's baseline does)."""
+    dots = np.array([op == "dot" for op in problem.opcodes])
+    return _apply(problem, (problem.layer >= 0) & ~_crossing(problem) & ~dots)
 
 
 RULES = {"alpa": keep_all, "alpa+dots": keep_dots, "alpa+megatron": keep_megatron,
          "alpa+full": keep_layer_inputs}
+POLICY_RULES = {"none": keep_all, "dots_saveable": keep_block_dots,
+                "nothing_saveable": keep_layer_inputs}
+"""The keep flags of the per-block ``jax.checkpoint`` policies of the hand-written recipes
+(:data:`kiwi_jax.recipe_remat.POLICIES`), each block being a layer of the problem."""

@@ -169,6 +169,22 @@ class Builder:
         for leader in shared:
             self.s_vars[leader] = self.s_vars[twin[leader]]
 
+    def pin(self, node: int, choice: int) -> None:
+        """Make node ``node`` take its strategy ``choice``: its leader's strategies that give
+        it another are ruled out.
+
+        Raises:
+          ValueError: no strategy of the leader gives the node that one.
+        """
+        leader = int(self.p.leader[node])
+        other = np.asarray(self.p.follow[node]) != choice
+        if other.all():
+            raise ValueError(f"{self.p.names[node]} cannot take its strategy {choice}: no "
+                             f"strategy of {self.p.names[leader]}, which decides it, gives it")
+        idx = self.s_vars.get(leader)
+        if idx is not None and other.any():
+            self.model.add_row(Expr(idx[other], np.ones(int(other.sum()))), 0.0, 0.0)
+
     def leader_expr(self, leader: int, values: np.ndarray) -> Expr:
         """``values`` over a leader's strategies as an expression in its binaries."""
         values = np.asarray(values, float)
@@ -370,7 +386,8 @@ def _first_of_class(classes: np.ndarray) -> np.ndarray:
 def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=None,
                 minimize_peak: bool = False, tie: np.ndarray | None = None,
                 max_seconds: float | None = None,
-                skip_times: np.ndarray | None = None, copies: bool = True) -> JointModel:
+                skip_times: np.ndarray | None = None, copies: bool = True,
+                pinned: dict[int, int] | None = None) -> JointModel:
     """Build the joint program.
 
     Args:
@@ -388,6 +405,8 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         the inner repeats of its layers and the optimizer's updates: ``solvers.solve.
         _skipped_times``); the caller checks the plan's replay against the budget. None: rows
         at every time.
+      pinned: node -> the strategy it must take (a recipe's parameter layout,
+        :func:`kiwi_jax.recipe_plan.recipe_pins`); a tied node's pin holds for its twins.
       copies: count the operand copies resharding makes (:attr:`ShardingProblem.gathered`).
         Without, the program is a relaxation (fewer bytes per time): its plan, when its replay
         is within the budget, is the program's optimum with them, and is found faster (on
@@ -396,6 +415,8 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     start = time.perf_counter()
     p, b = problem, Builder(problem, tie, copies)
     model, n = b.model, problem.num_nodes
+    for node, choice in (pinned or {}).items():
+        b.pin(int(node), int(choice))
     cost = b.node_costs()
 
     droppable = p.droppable                  # KIWI's z_i values, and the chains' (see below)

@@ -28,7 +28,7 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
                               Status, gap_to, status_within_gap)
 
 __all__ = ["MILP_SOLVERS", "solve_milp", "min_feasible_budget", "min_peak_plan",
-           "reference_plan"]
+           "reference_plan", "pinned_plan", "program_peak"]
 
 MILP_SOLVERS = (*RULES, "kiwi", "kiwi-full")
 """The formulations solved here, each as one MILP (the heuristic baselines with their keep
@@ -528,3 +528,71 @@ def reference_plan(problem: ShardingProblem, backend: str = DEFAULTS.backend,
                 objective=sim.step_seconds, peak_bytes=sim.peak_bytes,
                 solve_seconds=fastest.solve_seconds + result.seconds)
     return fastest
+
+
+def pinned_plan(problem: ShardingProblem, keep: np.ndarray, pinned: dict[int, int],
+                options: SolverOptions, name: str = "pinned",
+                budget_bytes: int | None = None) -> Solution:
+    """The fastest plan with the keep flags ``keep`` whose nodes in ``pinned`` take the
+    strategies given there (a hand-written recipe's state layout and block policy as a plan of
+    the program, :func:`kiwi_jax.recipe_plan.recipe_solution`); the other nodes' strategies
+    are solved for. ``options.reuse_layers`` ties the repeated layers, as ``kiwi`` does.
+
+    Args:
+      name: the plan's :attr:`Solution.solver`.
+      budget_bytes: a per-device limit (None: none; the plan's peak is its own).
+
+    Raises:
+      ValueError: a pinned strategy no strategy of the node's leader gives, pins that
+        contradict each other (tied twins pinned apart), or keep flags that break KIWI's eq. 9
+        outside layers.
+      InfeasibleBudgetError: no such plan fits the budget.
+      SolverTimeoutError: the time limit passed before any plan was found.
+      SolverError: the backend failed.
+    """
+    tie = problem.ties if options.reuse_layers else None
+    joint = build_joint(problem, budget_bytes, fixed_keep=keep, tie=tie, pinned=pinned)
+    result = joint.model.solve(options.backend, time_limit=options.time_limit,
+                               mip_gap=options.mip_gap, seed=options.seed,
+                               threads=options.threads)
+    if result.x is None:
+        if result.status == Status.INFEASIBLE and budget_bytes is None:
+            raise ValueError(f"{name}: no plan takes every pinned strategy (tied layers pinned "
+                             "apart?); solve it with reuse_layers=False")
+        if result.status == Status.INFEASIBLE:
+            raise InfeasibleBudgetError(name, budget_bytes, None, searched=False)
+        if result.status == Status.TIMEOUT_NO_INCUMBENT:
+            raise SolverTimeoutError(f"{name}: no plan found within {options.time_limit:.0f} s "
+                                     f"({joint.model.num_vars} variables)", budget_bytes)
+        raise SolverError(f"{name}: backend {options.backend} failed ({result.status.value})")
+    strategy, keep, schedule, sim = _decode(joint, problem, result.x, keep)
+    status = status_within_gap(result.status, result.gap, options.mip_gap)
+    return Solution(
+        solver=name, backend=options.backend, status=status,
+        objective=float(result.objective) * joint.units.seconds,
+        gap=0.0 if status == Status.OPTIMAL else float(result.gap),
+        solve_seconds=result.seconds, build_seconds=joint.build_seconds,
+        num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
+        budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
+        peak_bytes=sim.peak_bytes, claimed_peak_bytes=joint.claimed_peak(result.x))
+
+
+def program_peak(problem: ShardingProblem, strategy, keep, options: SolverOptions) -> int:
+    """The per-device peak the joint program itself counts for a plan, every decision fixed
+    (its largest U_k; the simulator replays the plan to :attr:`Solution.peak_bytes`). The
+    program's lifetimes bound a dropped value's from above where its recompute stage depends on
+    other keep flags, so a plan that recomputes chains may count more here than it holds.
+
+    Raises:
+      SolverError: the backend found no solution (it has exactly one).
+    """
+    pinned = {i: int(s) for i, s in enumerate(strategy)}
+    tie = problem.ties if options.reuse_layers else None
+    joint = build_joint(problem, None, fixed_keep=keep, minimize_peak=True, tie=tie,
+                        pinned=pinned)
+    result = joint.model.solve(options.backend, time_limit=options.time_limit,
+                               mip_gap=REFERENCE_GAP, seed=options.seed, threads=options.threads)
+    if result.x is None:
+        raise SolverError(f"program_peak: backend {options.backend} found no solution "
+                          f"({result.status.value})")
+    return joint.claimed_peak(result.x)

@@ -1,0 +1,88 @@
+"""Hand-written recipes as plans of kiwi's program: the same sharding and per-block
+recomputation, priced by the simulator, so that the solver can start from them and the
+program's containment of them can be checked.
+
+A recipe (:class:`kiwi_jax.recipes.Recipe`) fixes two things a user writes by hand:
+
+- the layout of the step's arguments (parameters, optimizer state, batch), its
+  ``in_shardings``: :func:`recipe_pins` finds, for every parameter node of the graph, the
+  strategy whose output spec is the recipe's PartitionSpec of that argument;
+- a per-block ``jax.checkpoint`` policy: the keep flags of
+  :data:`solvers.heuristics.POLICY_RULES`, each block a layer of the problem.
+
+What lies between the arguments XLA's sharding propagation decides when the recipe runs as
+plain JAX. As a plan, it is solved for (:func:`solvers.solve.pinned_plan`): the fastest layout
+of the other operators, by the program's own prices, given the recipe's argument layout and
+keep flags. The recipe's plan is thus a plan of kiwi's program, and kiwi's optimum under the
+recipe plan's predicted memory is at least as fast by the same prices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiwi_jax.export import leaf_paths
+from kiwi_jax.problem import ProblemBuild
+from kiwi_jax.recipe_specs import data_flow, parameters, recipe_specs, state_leaves
+from kiwi_jax.recipes import Recipe
+from kiwi_jax.sharding import from_partition_spec, spec_str
+from solvers.heuristics import POLICY_RULES
+from solvers.options import SolverOptions
+from solvers.solution import Solution
+from solvers.solve import pinned_plan
+
+__all__ = ["recipe_pins", "recipe_keep", "recipe_solution"]
+
+
+def recipe_pins(traced, build: ProblemBuild, mesh, recipe: Recipe | str) -> dict[int, int]:
+    """``{parameter node: strategy index}``: the recipe's layout of every argument of the
+    traced step (:func:`kiwi_jax.recipe_specs.recipe_specs`) as the strategy of its node.
+
+    Args:
+      traced: the :class:`kiwi_jax.frontend.TracedStep` ``build`` was built from.
+      mesh: the ``jax.sharding.Mesh`` of ``build`` (two axes: data, then model).
+
+    Raises:
+      ValueError: an argument's recipe layout is not among its node's strategies.
+    """
+    recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
+    pure, graph = traced.pure, traced.graph
+    leaves = state_leaves(pure)
+    roles = data_flow(pure, parameters(leaves)).roles if "tp" in recipe.sharding else None
+    specs = recipe_specs(pure, mesh, recipe.sharding, leaves, roles)
+    axis_names = tuple(mesh.axis_names)
+    pins = {}
+    for path, node, partition_spec in zip(leaf_paths(pure.args), graph.parameters, specs):
+        rank = len(graph.nodes[node].shape.dims)
+        spec = from_partition_spec(partition_spec, rank, axis_names, build.mesh)
+        outs = [s.out for s in build.strategies[node]]
+        if spec not in outs:
+            raise ValueError(
+                f"recipe {recipe.name}: {path} laid out as {partition_spec} ({spec_str(spec)}) "
+                f"is not among its strategies ({', '.join(map(spec_str, outs))})")
+        pins[node] = outs.index(spec)
+    return pins
+
+
+def recipe_keep(build: ProblemBuild, recipe: Recipe | str) -> np.ndarray:
+    """The keep flag of every node under the recipe's per-block policy."""
+    recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
+    return POLICY_RULES[recipe.policy](build.problem)
+
+
+def recipe_solution(traced, build: ProblemBuild, mesh, recipe: Recipe | str,
+                    options: SolverOptions | None = None) -> Solution:
+    """The recipe as a plan of ``build``'s program (see the module docstring), with no
+    memory limit: its ``peak_bytes`` is the simulator's peak of the recipe.
+
+    Args:
+      options: backend and limits (default: :class:`~solvers.options.SolverOptions`'s;
+        ``reuse_layers`` ties the repeated layers, whose pins agree by construction).
+
+    Raises:
+      ValueError: see :func:`recipe_pins` and :func:`solvers.solve.pinned_plan`.
+    """
+    recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
+    return pinned_plan(build.problem, recipe_keep(build, recipe),
+                       recipe_pins(traced, build, mesh, recipe), options or SolverOptions(),
+                       name=f"recipe {recipe.name}")
