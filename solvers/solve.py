@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, reuse_layers,
-                 skip: np.ndarray | None = None, copies: bool = True):
+                 skip: np.ndarray | None = None, copies: bool = True, exact: bool = False):
     if solver not in MILP_SOLVERS:
         raise ValueError(f"{solver!r} is not one of the MILP formulations "
                          f"({', '.join(MILP_SOLVERS)})")
@@ -51,7 +51,7 @@ def _formulation(problem: ShardingProblem, solver: str, budget, minimize_peak, r
     fixed = None if solver == "kiwi" else RULES[solver](problem)
     tie = problem.ties if reuse_layers else None
     return build_joint(problem, budget, fixed_keep=fixed, minimize_peak=minimize_peak,
-                       tie=tie, skip_times=skip, copies=copies), fixed
+                       tie=tie, skip_times=skip, copies=copies, exact_chains=exact), fixed
 
 
 def _skipped_times(problem: ShardingProblem, solver: str, reuse_layers: bool):
@@ -229,8 +229,10 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             and any(matrix.any() for matrix in problem.gathered):
         relaxed -= (1 - RELAXED_SHARE) * max(deadline - time.perf_counter(), 0.0)
     attempts = 0
+    exact = False            # chains' lifetimes bounded from above until that is infeasible
     while attempts < 3:
-        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers, skip, copies)
+        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers, skip, copies,
+                                    exact)
         time_limit = max((deadline if copies else relaxed) - time.perf_counter(), 1.0)
         log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
                  joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
@@ -243,6 +245,12 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
                                    threads=threads, hint=hint)
         under_less = tightened and not copies      # a restriction: no plan there proves none
+        if result.status == Status.INFEASIBLE and not under_less and solver == "kiwi" \
+                and not exact:
+            log.info("%s: no plan with recomputed chains' lifetimes bounded from above; solving "
+                     "with them counted as held", solver)
+            exact = True
+            continue
         if result.status == Status.INFEASIBLE and not under_less:
             return None
         if result.x is None and not copies and (under_less or (
