@@ -71,13 +71,18 @@ def recipe_keep(build: ProblemBuild, recipe: Recipe | str) -> np.ndarray:
 
 
 def recipe_solution(traced, build: ProblemBuild, mesh, recipe: Recipe | str,
-                    options: SolverOptions | None = None) -> Solution:
+                    options: SolverOptions | None = None, least_memory: bool = True
+                    ) -> Solution:
     """The recipe as a plan of ``build``'s program (see the module docstring), with no
     memory limit: its ``peak_bytes`` is the simulator's peak of the recipe.
 
     Args:
       options: backend and limits (default: :class:`~solvers.options.SolverOptions`'s;
         ``reuse_layers`` ties the repeated layers, whose pins agree by construction).
+      least_memory: of the equally fast layouts of the values the recipe leaves free, the
+        one with the smallest peak (:func:`solvers.solve.pinned_plan`), as XLA's sharding
+        propagation splits a value where its readers are split; False: any of them (one
+        solve instead of two).
 
     Raises:
       ValueError: see :func:`recipe_pins` and :func:`solvers.solve.pinned_plan`.
@@ -85,4 +90,4 @@ def recipe_solution(traced, build: ProblemBuild, mesh, recipe: Recipe | str,
     recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
     return pinned_plan(build.problem, recipe_keep(build, recipe),
                        recipe_pins(traced, build, mesh, recipe), options or SolverOptions(),
-                       name=f"recipe {recipe.name}")
+                       name=f"recipe {recipe.name}", least_memory=least_memory)

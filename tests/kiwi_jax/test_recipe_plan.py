@@ -44,7 +44,8 @@ class _Solutions(dict):
         self.args = traced, build, mesh
 
     def __missing__(self, name):
-        self[name] = recipe_solution(*self.args, Recipe.parse(name), OPTIONS)
+        self[name] = recipe_solution(*self.args, Recipe.parse(name), OPTIONS,
+                                     least_memory=False)
         return self[name]
 
 
@@ -93,6 +94,17 @@ def test_kiwi_started_from_a_recipe_is_at_least_as_fast(name, planned, solutions
                  search_min_feasible=False)
     assert kiwi.peak_bytes <= solution.peak_bytes
     assert kiwi.objective <= solution.objective * (1 + 1e-3)
+
+
+def test_least_memory_recipe_plan_is_as_fast_and_holds_no_more(planned, solutions, mesh24):
+    traced, build = planned
+    fastest = solutions["tp"]
+    least = recipe_solution(traced, build, mesh24, Recipe.parse("tp"), OPTIONS)
+    assert least.objective == pytest.approx(fastest.objective, rel=1e-6)
+    assert least.peak_bytes <= fastest.peak_bytes
+    sim = simulate(build.problem, least.strategy, recompute_at=least.recompute_at)
+    assert (least.objective, least.peak_bytes) == (sim.step_seconds, sim.peak_bytes)
+    assert np.array_equal(least.keep, fastest.keep)
 
 
 @pytest.mark.xfail(strict=True, reason="a dots_saveable block's values recomputed later than "
