@@ -235,13 +235,19 @@ class Builder:
             :func:`build_joint`); None: rows at every time.
 
         The peak can only occur where some interval ends, so ``U_k`` is kept for those times
-        only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8).
+        only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8). An
+        integer time is a stage, and an interval from one holds over the stage's
+        recomputations too; a fractional time is the recomputation of a node in a stage
+        (:func:`recomputation_time`), where a chain's intermediate lives.
         """
         model = self.model
         terms = [t for t in terms if not t[0].is_constant or t[0].constant]
+        # a whole stage (integer times) spans its recomputations (sub-stage times, below)
+        terms = [(e, a - 1 + 0.5 / (self.p.num_nodes + 1) if float(a).is_integer() else a, z)
+                 for e, a, z in terms]
         ends = np.unique([z for _, _, z in terms])
-        if skip is not None:
-            ends = ends[~skip[ends]]
+        if skip is not None:                      # a recomputation's time: its stage's
+            ends = ends[~skip[np.ceil(ends).astype(np.int64)]]
         first_k = np.searchsorted(ends, [a for _, a, _ in terms])
         last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
         most = sum(float(m.max()) for m in (*self.p.memory, *self.p.gathered)) / self.units.bytes
@@ -582,9 +588,16 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
             elif droppable[i]:
                 dropped = const(1.0) - keep_expr[i]
                 until = max(int(early[j]) for j in chained)
-                terms.append((b.conditional(i, dropped), int(early[i]), until))
-                terms += [(b.held(i, dropped - keep_expr[j] - on_time(j)),
-                           until + 1, int(late[j])) for j in chained if late[j] > until]
+                if until == early[i]:     # an intermediate: alive over its stage's readers
+                    last_reader = recomputation_time(n, until, max(chained))
+                    terms.append((b.conditional(i, dropped), recomputation_time(n, until, i),
+                                  last_reader))
+                    after = last_reader + 0.5 / (n + 1)
+                else:
+                    terms.append((b.conditional(i, dropped), int(early[i]), until))
+                    after = until + 1
+                terms += [(b.held(i, dropped - keep_expr[j] - on_time(j)), after, int(late[j]))
+                          for j in chained if late[j] > until]
     held: dict[int, list[tuple[int, Expr]]] = {}
     for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
         src, dst = int(src), int(dst)
@@ -609,6 +622,13 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
                    int(late[d])) for d, c in pairs if late[d] >= max(int(early[d]) + 1, start)]
     terms += b.gathered_terms()
     return b.limit_memory(terms, budget, minimize_peak, skip)
+
+
+def recomputation_time(n: int, stage: int, node: int) -> float:
+    """The time of ``node``'s recomputation in ``stage`` on the memory rows' axis (of a
+    problem of ``n`` nodes): after stage ``stage - 1``, before the stage's own node, in node
+    order (the simulator's :func:`~solvers.simulator.chain_intermediates`)."""
+    return stage - 1 + (node + 1) / (n + 1)
 
 
 def _on_time(p, b: Builder, keep_expr, droppable):

@@ -152,3 +152,47 @@ def test_the_program_counts_every_chain_through_a_value_the_backward_pass_does_n
         assert claimed >= simulated if idle else claimed == simulated, gone
         checked += bool(gone & set(f)) and not idle
     assert checked >= 2
+
+
+def _long_chain_problem():
+    """One layer x -> a -> f1 -> f2 -> f3 -> b: f1..f3 (100 B each) are read by no backward
+    operator; gb reads b, ga reads a. Dropped together, the chain is recomputed at the start of
+    the layer's backward pass (stage gb), in node order."""
+    phases, edges, layer, compute, memory = [], [], [], [], []
+
+    def node(phase, inputs, nbytes, lay=-1):
+        phases.append(phase)
+        edges.extend((j, len(phases) - 1) for j in inputs)
+        layer.append(lay)
+        compute.append([1.0])
+        memory.append([nbytes])
+        return len(phases) - 1
+
+    x = node(Phase.PARAM, [], 10)
+    a = node(Phase.FORWARD, [x], 10, 0)
+    f1 = node(Phase.FORWARD, [a], 100, 0)
+    f2 = node(Phase.FORWARD, [f1], 100, 0)
+    f3 = node(Phase.FORWARD, [f2], 100, 0)
+    b = node(Phase.FORWARD, [f3], 10, 0)
+    loss = node(Phase.FORWARD, [b], 1)
+    g = node(Phase.BACKWARD, [loss], 1)
+    gb = node(Phase.BACKWARD, [g, b], 1, 0)
+    ga = node(Phase.BACKWARD, [gb, a], 1, 0)
+    update = node(Phase.OPTIMIZER, [ga, x], 10)
+    return make_problem(phases, edges, compute, memory, layer=layer, outputs=(loss, update)), gb
+
+
+def test_a_chains_intermediates_are_freed_after_their_last_reader_in_the_recomputation():
+    """f1 is freed once f2 is recomputed, so at most two of the three are alive at once: the
+    layer's backward stage holds x, loss, g, gb, a and b again, and 200 B of the chain."""
+    p, gb = _long_chain_problem()
+    keep = np.ones(p.num_nodes, bool)
+    keep[1:6] = False                              # a, f1, f2, f3, b dropped
+    assert p.dropped_stages(keep) == {i: gb for i in range(1, 6)}
+    strategy = np.zeros(p.num_nodes, int)
+    sim = simulate(p, strategy, keep)
+    assert sim.memory_timeline[gb] == 10 + 1 + 1 + 1 + 10 + 10 + 200
+    assert sim.peak_bytes == sim.memory_timeline[gb]
+    joint = build_joint(p, None, fixed_keep=keep, minimize_peak=True)
+    result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
+    assert joint.claimed_peak(result.x) == sim.peak_bytes
