@@ -100,7 +100,11 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
       problem: the costed problem.
       budget_bytes: per-device memory budget, or None.
       options: formulation, backend and limits (see :class:`~solvers.options.SolverOptions`).
-      warm_start: a plan (e.g. the ``alpa`` solution) to start the search from; ``"auto"``
+      warm_start: a plan (e.g. the ``alpa`` solution, or a hand-written recipe's,
+        :func:`kiwi_jax.recipe_plan.recipe_solution`) to start the search from; one of
+        ``solver``'s plans that fits the budget as the simulator replays it is the answer when
+        the backend ends with a slower plan or none, even where the program counts it over
+        the budget (its lifetimes bound the replay's from above); ``"auto"``
         (default): under a budget, the tied program of a model with repeated layers is first
         solved directly for :data:`DIRECT_SHARE` of the time (:func:`_direct_first`); its plan
         is the answer when proven, else the start of a final solve in the time left. Without
@@ -140,22 +144,44 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
         if warm_start is None and budget_bytes is not None:
             warm_start = _warm_start(problem, solver, budget_bytes, backend,
                                      max(deadline - time.perf_counter(), 1.0), reuse_layers)
+    fallback = warm_start if staged else _given_start(problem, solver, budget_bytes,
+                                                          warm_start)
     try:
         solution = _solve(problem, budget_bytes, solver, warm_start, deadline, **settings)
     except SolverTimeoutError:
-        if not staged or warm_start is None:
+        if fallback is None:
             raise
-        log.warning("%s: the backend found no plan in the time left; returning the plan of "
-                    "its warm-start stages", solver)
-        solution = _incumbent(warm_start, solver, None)
-    if staged and warm_start is not None and solution is not None \
-            and warm_start.objective < solution.objective * (1 - 1e-9):
+        log.warning("%s: the backend found no plan in the time left; returning its warm "
+                    "start", solver)
+        solution = _incumbent(fallback, solver, None)
+    if fallback is not None and solution is None:
+        log.warning("%s: the program has no plan under the budget, where its warm start fits "
+                    "as replayed; returning the warm start", solver)
+        solution = dataclasses.replace(_incumbent(fallback, solver, None),
+                                       status=Status.FEASIBLE)
+    elif fallback is not None and fallback.objective < solution.objective * (1 - 1e-9):
         log.warning("%s: the backend stopped at a plan slower than its warm start's "
                     "(%.6g s > %.6g s); returning the warm start", solver,
-                    solution.objective, warm_start.objective)
-        solution = _incumbent(warm_start, solver, solution)
+                    solution.objective, fallback.objective)
+        solution = _incumbent(fallback, solver, solution)
     return _answer(problem, solver, budget_bytes, solution, search_min_feasible, backend,
                    time_limit, reuse_layers)
+
+
+def _given_start(problem: ShardingProblem, solver: str, budget_bytes: int | None,
+                 warm_start: Solution | None) -> Solution | None:
+    """The caller's warm start, replayed, when it is a plan of ``solver`` (any keep flags for
+    ``kiwi`` and ``kiwi-full``, the rule's for a baseline) that fits the budget; else None."""
+    if warm_start is None:
+        return None
+    keep = np.asarray(warm_start.keep, bool)
+    if solver in RULES and not np.array_equal(keep, RULES[solver](problem)):
+        return None
+    sim = simulate(problem, warm_start.strategy, recompute_at=warm_start.recompute_at)
+    if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+        return None
+    return dataclasses.replace(warm_start, objective=sim.step_seconds, peak_bytes=sim.peak_bytes,
+                               budget_bytes=budget_bytes)
 
 
 def _answer(problem, solver, budget_bytes, solution, search_min_feasible, backend, time_limit,

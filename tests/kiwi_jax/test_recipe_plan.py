@@ -3,9 +3,9 @@ Llama on a 2x4 mesh: every argument takes the recipe's layout and every value it
 keep flag; the plan's objective is the simulator's price of it; a recipe without a policy or
 under ``nothing_saveable`` is a plan of kiwi's program at its own predicted memory (the
 program counts the peak the simulator replays), and kiwi started from a recipe's plan is at
-least as fast at its memory. ``dots_saveable`` is not yet contained: where a block's chain is
-recomputed later than its earliest stage (a kept matrix product in it), the program holds
-the values from the earliest."""
+least as fast at its memory. ``dots_saveable`` is not yet contained: where a block's chain is recomputed later than its
+earliest stage (a kept matrix product in it), the program holds the values from the
+earliest."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from kiwi_jax.recipe_specs import recipe_specs
 from kiwi_jax.problem import build_problem
 from kiwi_jax.sharding import from_partition_spec
 from kiwi_jax.step import functionalize
-from solvers import simulate, solve
+from solvers import InfeasibleBudgetError, min_peak_plan, simulate, solve
 from solvers.options import SolverOptions
 from solvers.solve import pinned_plan, program_peak
 
@@ -105,6 +105,23 @@ def test_least_memory_recipe_plan_is_as_fast_and_holds_no_more(planned, solution
     sim = simulate(build.problem, least.strategy, recompute_at=least.recompute_at)
     assert (least.objective, least.peak_bytes) == (sim.step_seconds, sim.peak_bytes)
     assert np.array_equal(least.keep, fastest.keep)
+
+
+def test_a_warm_start_that_fits_as_replayed_is_the_answer_where_the_program_counts_more(
+        planned):
+    """Under the dots rule the program counts a chain's values from their earliest stage, more
+    than the least-memory plan holds: at that plan's replayed peak the program has no plan,
+    and the plan, given as the warm start, is the answer."""
+    _, build = planned
+    plan, needs = min_peak_plan(build.problem, "alpa+dots", time_limit=30)
+    assert needs > plan.peak_bytes
+    with pytest.raises(InfeasibleBudgetError):
+        solve(build.problem, plan.peak_bytes, solver="alpa+dots", time_limit=10,
+              warm_start=None, search_min_feasible=False)
+    answer = solve(build.problem, plan.peak_bytes, solver="alpa+dots", time_limit=10,
+                   warm_start=plan, search_min_feasible=False)
+    assert (answer.peak_bytes, answer.objective) == (plan.peak_bytes, plan.objective)
+    assert np.array_equal(answer.strategy, plan.strategy)
 
 
 @pytest.mark.xfail(strict=True, reason="a dots_saveable block's values recomputed later than "
