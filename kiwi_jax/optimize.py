@@ -61,10 +61,11 @@ from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
 from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, with_stored
+from kiwi_jax.recipe_plan import best_recipe_start
 from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
-from solvers.options import DEFAULTS as SOLVER_DEFAULTS
+from solvers.options import DEFAULTS as SOLVER_DEFAULTS, SolverOptions
 
 __all__ = ["optimize", "OptimizedStep", "Options", "NotATrainStepError"]
 
@@ -278,7 +279,7 @@ class OptimizedStep:
         else:
             try:
                 plan, applied, cached, plan_seconds, start, build = self._planned(
-                    traced, build, abstract, start)
+                    traced, build, abstract, start, recipes)
                 infeasible = None
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
                 if not recipes or error.budget_bytes is None:
@@ -365,13 +366,13 @@ class OptimizedStep:
                         compile_seconds=time.perf_counter() - start)
         return (*rows, row), {**steps, CHECKPOINTED: compiled}
 
-    def _planned(self, traced, build, abstract, start):
+    def _planned(self, traced, build, abstract, start, recipes=()):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
         with the planning and compiling times' split, and the problem it was solved on (see
-        :meth:`_plan`)."""
+        :meth:`_plan`; ``recipes``: the solver's starts where its own search finds no plan)."""
         options = self.options
         compiled: dict[str, CompiledPlan] = {}     # by plan fingerprint
-        plan, cached, build, infeasible = self._plan(traced, build, abstract, compiled)
+        plan, cached, build, infeasible = self._plan(traced, build, abstract, compiled, recipes)
         if infeasible is not None and (infeasible.min_feasible_bytes is None
                                        or not options.fit_compiles):
             raise infeasible
@@ -552,12 +553,17 @@ class OptimizedStep:
         return PlanCache(options.cache_dir or default_cache_dir()), self._key(traced, build)
 
     def _plan(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
-              compiled: dict[str, CompiledPlan]
+              compiled: dict[str, CompiledPlan], recipes: tuple = ()
               ) -> tuple[Plan | None, bool, ProblemBuild, solvers.InfeasibleBudgetError | None]:
         """The cached plan, or a new one; whether it came from the cache; the problem it was
         solved on; and, instead of a plan, the model's error for a budget it has no plan
         under. ``compiled`` gets the plans compiled on the way (the reference plan, for a
         percentage).
+
+        Where the solver finds no plan under the budget (none in its program, or none in its
+        time limit), it is run again from the fastest of ``recipes`` whose plan fits the budget
+        as the simulator replays it (:func:`kiwi_jax.recipe_plan.best_recipe_start`): its
+        answer is that plan or a faster one.
 
         With the fused memory model, the reference plan compiled for a percentage says which
         values XLA stores: the problem is rebuilt with them charged
@@ -589,8 +595,19 @@ class OptimizedStep:
         try:
             return solve_plan(build, budget, options.solver, **options.solver_options()), \
                 False, build, None
-        except solvers.InfeasibleBudgetError as error:
-            return None, False, build, error
+        except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+            failed = error
+        start = best_recipe_start(traced, build, options.mesh, recipes, budget,
+                                  SolverOptions(**options.solver_options())) if recipes else None
+        if start is None and isinstance(failed, solvers.SolverTimeoutError):
+            raise failed
+        if start is None:
+            return None, False, build, failed
+        log.warning("%s: %s; solving again from a recipe's plan that fits", self.__name__,
+                    str(failed).splitlines()[0])
+        return solve_plan(build, budget, options.solver, warm_start=start,
+                          search_min_feasible=False, **options.solver_options()), \
+            False, build, None
 
     def _budget_bytes(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:

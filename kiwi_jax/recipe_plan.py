@@ -19,6 +19,8 @@ recipe plan's predicted memory is at least as fast by the same prices.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kiwi_jax.export import leaf_paths
@@ -28,10 +30,12 @@ from kiwi_jax.recipes import Recipe
 from kiwi_jax.sharding import from_partition_spec, spec_str
 from solvers.heuristics import POLICY_RULES
 from solvers.options import SolverOptions
-from solvers.solution import Solution
+from solvers.solution import Solution, SolverError, SolverTimeoutError
 from solvers.solve import pinned_plan
 
-__all__ = ["recipe_pins", "recipe_keep", "recipe_solution"]
+__all__ = ["recipe_pins", "recipe_keep", "recipe_solution", "best_recipe_start"]
+
+log = logging.getLogger(__name__)
 
 
 def recipe_pins(traced, build: ProblemBuild, mesh, recipe: Recipe | str) -> dict[int, int]:
@@ -91,3 +95,36 @@ def recipe_solution(traced, build: ProblemBuild, mesh, recipe: Recipe | str,
     return pinned_plan(build.problem, recipe_keep(build, recipe),
                        recipe_pins(traced, build, mesh, recipe), options or SolverOptions(),
                        name=f"recipe {recipe.name}", least_memory=least_memory)
+
+
+def best_recipe_start(traced, build: ProblemBuild, mesh, recipes, budget_bytes: int,
+                      options: SolverOptions | None = None) -> Solution | None:
+    """The fastest of ``recipes`` whose plan (:func:`recipe_solution`) fits ``budget_bytes``
+    as the simulator replays it: the solver's start where its own search found no plan. The
+    policies are tried from the fastest kind to the smallest (none, ``dots_saveable``,
+    ``nothing_saveable``), and the search stops at the first kind with a plan that fits.
+    A recipe whose layout is not among the strategies (:func:`recipe_pins`) or whose plan is
+    not found in ``options.time_limit`` is passed over. None: none fits.
+    """
+    found: list[tuple[float, str, Solution]] = []
+    for policy in ("none", "dots_saveable", "nothing_saveable"):
+        for recipe in (r for r in recipes if r.policy == policy):
+            try:        # any fastest layout first; the least memory of them where it is over
+                solution = recipe_solution(traced, build, mesh, recipe, options,
+                                           least_memory=False)
+                if solution.peak_bytes > budget_bytes:
+                    solution = recipe_solution(traced, build, mesh, recipe, options)
+            except (ValueError, SolverTimeoutError, SolverError) as error:
+                log.info("recipe %s is no start here: %s", recipe.name, error)
+                continue
+            log.info("recipe %s: %.6g s, %d B per device", recipe.name, solution.objective,
+                     solution.peak_bytes)
+            if solution.peak_bytes <= budget_bytes:
+                found.append((solution.objective, recipe.name, solution))
+        if found:
+            break
+    if not found:
+        return None
+    _, name, solution = min(found, key=lambda item: item[:2])
+    log.info("the solver starts from recipe %s", name)
+    return solution

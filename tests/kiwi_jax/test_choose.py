@@ -7,6 +7,7 @@ The figures quoted were measured on 2x4 with ``compile_recipe`` and one kiwi com
 """
 
 import importlib
+import logging
 import os
 import warnings
 
@@ -251,3 +252,29 @@ def test_without_a_recipe_that_fits_kiwis_error_stands(mesh24):
                              **{**OPTIONS, "memory_budget": 1_000, "fit_compiles": 0})
     with pytest.raises(solvers.InfeasibleBudgetError, match="smallest feasible budget"):
         step.lower(*ref.abstract_init(), ref.abstract_batch())
+
+
+def test_kiwi_solves_again_from_a_recipe_that_fits_where_its_own_search_found_none(
+        monkeypatch, caplog, mesh24):
+    """kiwi's own search ending without a plan (here made to time out) is run again from the
+    fastest recipe plan that fits the budget as replayed; the answer is at least as fast."""
+    module = importlib.import_module("kiwi_jax.optimize")
+    solve_plan, starts = module.solve_plan, []
+
+    def no_plan_without_a_start(build_, budget, solver, **options):
+        starts.append(options.get("warm_start"))
+        if starts[-1] is None:
+            raise solvers.SolverTimeoutError("kiwi: no plan found within the time limit", budget)
+        return solve_plan(build_, budget, solver, **options)
+
+    monkeypatch.setattr(module, "solve_plan", no_plan_without_a_start)
+    ref = build("mlp", **MLP)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False,
+                             recipes=("dp", "fsdp"), **{**OPTIONS, "fit_compiles": 0})
+    with caplog.at_level(logging.WARNING, logger="kiwi_jax.optimize"):
+        prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    assert len(starts) == 2 and starts[0] is None
+    assert starts[1].solver in ("recipe dp", "recipe fsdp")
+    assert starts[1].peak_bytes <= BUDGET
+    assert prepared.plan.predicted_step_seconds <= starts[1].objective * (1 + 1e-9)
+    assert "solving again from a recipe's plan that fits" in caplog.text

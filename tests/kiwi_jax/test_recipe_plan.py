@@ -13,7 +13,7 @@ import pytest
 from experiments import zoo
 from kiwi_jax.apply import carried_pairs, in_program_order, trace_for_planning
 from kiwi_jax.cluster import Cluster, MeshSpec
-from kiwi_jax.recipe_plan import recipe_keep, recipe_pins, recipe_solution
+from kiwi_jax.recipe_plan import best_recipe_start, recipe_keep, recipe_pins, recipe_solution
 from kiwi_jax.recipes import Recipe
 from kiwi_jax.recipe_specs import recipe_specs
 from kiwi_jax.problem import build_problem
@@ -122,6 +122,19 @@ def test_a_warm_start_that_fits_as_replayed_is_the_answer_where_the_program_coun
                    warm_start=plan, search_min_feasible=False)
     assert (answer.peak_bytes, answer.objective) == (plan.peak_bytes, plan.objective)
     assert np.array_equal(answer.strategy, plan.strategy)
+
+
+def test_the_solvers_start_is_the_fastest_recipe_that_fits_of_the_first_policy_with_one(
+        planned, solutions, mesh24):
+    traced, build = planned
+    keep_all = [Recipe.parse("dp"), Recipe.parse("fsdp")]
+    both = max(solutions[r.name].peak_bytes for r in keep_all)
+    start = best_recipe_start(traced, build, mesh24, keep_all, both, OPTIONS)
+    assert start.objective == min(solutions[r.name].objective for r in keep_all)
+    smallest = solutions["fsdp/nothing_saveable"]     # dp does not fit there: the next policy
+    start = best_recipe_start(traced, build, mesh24, [Recipe.parse("dp"), Recipe.parse(
+        smallest.solver.split()[-1])], smallest.peak_bytes, OPTIONS)
+    assert (start.solver, start.peak_bytes) == (smallest.solver, smallest.peak_bytes)
 
 
 @pytest.mark.xfail(strict=True, reason="a dots_saveable block's values recomputed later than "
