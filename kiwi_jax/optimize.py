@@ -139,7 +139,9 @@ class Options:
     plan for the budget). True: all twelve (:func:`kiwi_jax.recipes.all_recipes`); False:
     kiwi's plan only; or names such as ``("fsdp/dots_saveable", "dp")``. Each recipe is one
     more compile for every new argument signature, cached plan or not (plans are cached,
-    compiled steps are not). Not compared when several processes plan (kiwi's plan runs)."""
+    compiled steps are not). Not compared when several processes plan (kiwi's plan runs).
+    They are also the solver's start where its own search finds no plan under the budget
+    (:func:`kiwi_jax.recipe_plan.best_recipe_start`)."""
 
     def solver_options(self) -> dict:
         return {"backend": self.backend, "time_limit": self.time_limit,
