@@ -3,9 +3,9 @@ Llama on a 2x4 mesh: every argument takes the recipe's layout and every value it
 keep flag; the plan's objective is the simulator's price of it; a recipe without a policy or
 under ``nothing_saveable`` is a plan of kiwi's program at its own predicted memory (the
 program counts the peak the simulator replays), and kiwi started from a recipe's plan is at
-least as fast at its memory. ``dots_saveable`` is not yet contained: where a block's chain is recomputed later than its
-earliest stage (a kept matrix product in it), the program holds the values from the
-earliest."""
+least as fast at its memory. ``dots_saveable`` is not yet contained: where a block's chain is
+recomputed later than its earliest stage (a kept matrix product in it), the program holds
+the values from the earliest."""
 
 import numpy as np
 import pytest

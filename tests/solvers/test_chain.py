@@ -103,20 +103,32 @@ def test_the_program_with_chains_is_sound_against_the_exhaustive_search(seed):
     assert matched >= len(fractions) // 2
 
 
+class _Graph:
+    """A hand-written problem, one node at a time: phase, operands, compute seconds, bytes and
+    layer (-1: none) per node; one strategy each."""
+
+    def __init__(self):
+        self.phases, self.edges, self.layer, self.compute, self.memory = [], [], [], [], []
+
+    def node(self, phase, inputs, seconds, nbytes, lay=-1) -> int:
+        self.phases.append(phase)
+        self.edges.extend((j, len(self.phases) - 1) for j in inputs)
+        self.layer.append(lay)
+        self.compute.append([seconds])
+        self.memory.append([nbytes])
+        return len(self.phases) - 1
+
+    def problem(self, outputs):
+        return make_problem(self.phases, self.edges, self.compute, self.memory,
+                            layer=self.layer, outputs=outputs)
+
+
 def _branch_problem():
     """Two layers of x -> a -> f -> b (+ x): f, a residual branch's output, is read by no
     backward operator; backward: gb reads b, ga reads a."""
-    phases, edges, layer, compute, memory = [], [], [], [], []
-
-    def node(phase, inputs, seconds, nbytes, lay):
-        phases.append(phase)
-        edges.extend((j, len(phases) - 1) for j in inputs)
-        layer.append(lay)
-        compute.append([seconds])
-        memory.append([nbytes])
-        return len(phases) - 1
-
-    h = node(Phase.PARAM, [], 0.0, 10, -1)
+    graph = _Graph()
+    node = graph.node
+    h = node(Phase.PARAM, [], 0.0, 10)
     acts = []
     for lay in range(2):
         a = node(Phase.FORWARD, [h], 1.0, 20, lay)
@@ -124,14 +136,14 @@ def _branch_problem():
         b = node(Phase.FORWARD, [f, h], 1.0, 100, lay)
         acts.append((a, b))
         h = b
-    loss = node(Phase.FORWARD, [h], 0.1, 1, -1)
-    g = node(Phase.BACKWARD, [loss], 0.1, 1, -1)
+    loss = node(Phase.FORWARD, [h], 0.1, 1)
+    g = node(Phase.BACKWARD, [loss], 0.1, 1)
     for lay in (1, 0):
         a, b = acts[lay]
         g = node(Phase.BACKWARD, [g, b], 1.0, 10, lay)
         g = node(Phase.BACKWARD, [g, a], 1.0, 10, lay)
-    update = node(Phase.OPTIMIZER, [g, 0], 0.1, 10, -1)
-    return make_problem(phases, edges, compute, memory, layer=layer, outputs=(loss, update))
+    update = node(Phase.OPTIMIZER, [g, 0], 0.1, 10)
+    return graph.problem(outputs=(loss, update))
 
 
 def test_the_program_counts_every_chain_through_a_value_the_backward_pass_does_not_read():
@@ -158,28 +170,20 @@ def _long_chain_problem():
     """One layer x -> a -> f1 -> f2 -> f3 -> b: f1..f3 (100 B each) are read by no backward
     operator; gb reads b, ga reads a. Dropped together, the chain is recomputed at the start of
     the layer's backward pass (stage gb), in node order."""
-    phases, edges, layer, compute, memory = [], [], [], [], []
-
-    def node(phase, inputs, nbytes, lay=-1):
-        phases.append(phase)
-        edges.extend((j, len(phases) - 1) for j in inputs)
-        layer.append(lay)
-        compute.append([1.0])
-        memory.append([nbytes])
-        return len(phases) - 1
-
-    x = node(Phase.PARAM, [], 10)
-    a = node(Phase.FORWARD, [x], 10, 0)
-    f1 = node(Phase.FORWARD, [a], 100, 0)
-    f2 = node(Phase.FORWARD, [f1], 100, 0)
-    f3 = node(Phase.FORWARD, [f2], 100, 0)
-    b = node(Phase.FORWARD, [f3], 10, 0)
-    loss = node(Phase.FORWARD, [b], 1)
-    g = node(Phase.BACKWARD, [loss], 1)
-    gb = node(Phase.BACKWARD, [g, b], 1, 0)
-    ga = node(Phase.BACKWARD, [gb, a], 1, 0)
-    update = node(Phase.OPTIMIZER, [ga, x], 10)
-    return make_problem(phases, edges, compute, memory, layer=layer, outputs=(loss, update)), gb
+    graph = _Graph()
+    node = graph.node
+    x = node(Phase.PARAM, [], 1.0, 10)
+    a = node(Phase.FORWARD, [x], 1.0, 10, 0)
+    f1 = node(Phase.FORWARD, [a], 1.0, 100, 0)
+    f2 = node(Phase.FORWARD, [f1], 1.0, 100, 0)
+    f3 = node(Phase.FORWARD, [f2], 1.0, 100, 0)
+    b = node(Phase.FORWARD, [f3], 1.0, 10, 0)
+    loss = node(Phase.FORWARD, [b], 1.0, 1)
+    g = node(Phase.BACKWARD, [loss], 1.0, 1)
+    gb = node(Phase.BACKWARD, [g, b], 1.0, 1, 0)
+    ga = node(Phase.BACKWARD, [gb, a], 1.0, 1, 0)
+    update = node(Phase.OPTIMIZER, [ga, x], 1.0, 10)
+    return graph.problem(outputs=(loss, update)), gb
 
 
 def test_a_chains_intermediates_are_freed_after_their_last_reader_in_the_recomputation():
