@@ -31,7 +31,7 @@ from kiwi_jax.sharding import from_partition_spec, spec_str
 from solvers.heuristics import POLICY_RULES
 from solvers.options import SolverOptions
 from solvers.solution import Solution, SolverError, SolverTimeoutError
-from solvers.solve import pinned_plan
+from solvers.solve import least_memory_plan, pinned_plan
 
 __all__ = ["recipe_pins", "recipe_keep", "recipe_solution", "best_recipe_start"]
 
@@ -113,7 +113,9 @@ def best_recipe_start(traced, build: ProblemBuild, mesh, recipes, budget_bytes: 
                 solution = recipe_solution(traced, build, mesh, recipe, options,
                                            least_memory=False)
                 if solution.peak_bytes > budget_bytes:
-                    solution = recipe_solution(traced, build, mesh, recipe, options)
+                    solution = least_memory_plan(build.problem, solution,
+                                                 recipe_pins(traced, build, mesh, recipe),
+                                                 options or SolverOptions())
             except (ValueError, SolverTimeoutError, SolverError) as error:
                 log.info("recipe %s is no start here: %s", recipe.name, error)
                 continue

@@ -28,7 +28,7 @@ from solvers.solution import (InfeasibleBudgetError, Solution, SolverError, Solv
                               Status, gap_to, status_within_gap)
 
 __all__ = ["MILP_SOLVERS", "solve_milp", "min_feasible_budget", "min_peak_plan",
-           "reference_plan", "pinned_plan", "program_peak"]
+           "reference_plan", "pinned_plan", "least_memory_plan", "program_peak"]
 
 MILP_SOLVERS = (*RULES, "kiwi", "kiwi-full")
 """The formulations solved here, each as one MILP (the heuristic baselines with their keep
@@ -605,30 +605,48 @@ def pinned_plan(problem: ShardingProblem, keep: np.ndarray, pinned: dict[int, in
             raise SolverTimeoutError(f"{name}: no plan found within {options.time_limit:.0f} s "
                                      f"({joint.model.num_vars} variables)", budget_bytes)
         raise SolverError(f"{name}: backend {options.backend} failed ({result.status.value})")
-    objective = float(result.objective) * joint.units.seconds
-    status = status_within_gap(result.status, result.gap, options.mip_gap)
-    gap, seconds = 0.0 if status == Status.OPTIMAL else float(result.gap), result.seconds
-    if least_memory:
-        fastest, *_ = _decode(joint, problem, result.x, keep)
-        joint = build_joint(problem, budget_bytes, fixed_keep=keep, minimize_peak=True, tie=tie,
-                            pinned=pinned, max_seconds=objective * (1 + 1e-7))
-        result = joint.model.solve(options.backend, time_limit=options.time_limit,
-                                   mip_gap=options.mip_gap, seed=options.seed,
-                                   threads=options.threads,
-                                   hint=joint.hint(problem, fastest) if tie is None else None)
-        if result.x is None:       # the fastest plan is a solution: only a time-out gets here
-            raise SolverTimeoutError(f"{name}: the smallest peak at the fastest step time not "
-                                     f"found within {options.time_limit:.0f} s "
-                                     f"({joint.model.num_vars} variables)", budget_bytes)
-        seconds += result.seconds
     strategy, keep, schedule, sim = _decode(joint, problem, result.x, keep)
-    return Solution(
+    status = status_within_gap(result.status, result.gap, options.mip_gap)
+    fastest = Solution(
         solver=name, backend=options.backend, status=status,
-        objective=sim.step_seconds if least_memory else objective, gap=gap,
-        solve_seconds=seconds, build_seconds=joint.build_seconds,
+        objective=float(result.objective) * joint.units.seconds,
+        gap=0.0 if status == Status.OPTIMAL else float(result.gap),
+        solve_seconds=result.seconds, build_seconds=joint.build_seconds,
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
         budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
         peak_bytes=sim.peak_bytes, claimed_peak_bytes=joint.claimed_peak(result.x))
+    return least_memory_plan(problem, fastest, pinned, options) if least_memory else fastest
+
+
+def least_memory_plan(problem: ShardingProblem, fastest: Solution, pinned: dict[int, int],
+                      options: SolverOptions) -> Solution:
+    """Of the plans as fast as ``fastest`` (a :func:`pinned_plan` of ``pinned``, under its
+    budget), the one with the smallest peak: the peak minimised with the step time held at
+    the fastest's and its keep flags and pins (see ``pinned_plan``'s ``least_memory``). Its
+    status and gap are the fastest's; its solve seconds both solves'.
+
+    Raises:
+      SolverTimeoutError: the time limit passed before the backend took the fastest plan up.
+    """
+    tie = problem.ties if options.reuse_layers else None
+    joint = build_joint(problem, fastest.budget_bytes, fixed_keep=fastest.keep,
+                        minimize_peak=True, tie=tie, pinned=pinned,
+                        max_seconds=fastest.objective * (1 + 1e-7))
+    result = joint.model.solve(options.backend, time_limit=options.time_limit,
+                               mip_gap=options.mip_gap, seed=options.seed,
+                               threads=options.threads,
+                               hint=joint.hint(problem, fastest.strategy) if tie is None else None)
+    if result.x is None:           # the fastest plan is a solution: only a time-out gets here
+        raise SolverTimeoutError(f"{fastest.solver}: the smallest peak at the fastest step time "
+                                 f"not found within {options.time_limit:.0f} s "
+                                 f"({joint.model.num_vars} variables)", fastest.budget_bytes)
+    strategy, keep, schedule, sim = _decode(joint, problem, result.x, fastest.keep)
+    return dataclasses.replace(
+        fastest, objective=sim.step_seconds, solve_seconds=fastest.solve_seconds + result.seconds,
+        build_seconds=joint.build_seconds, num_vars=joint.model.num_vars,
+        num_constraints=joint.model.num_rows, strategy=strategy, keep=keep,
+        recompute_at=schedule, peak_bytes=sim.peak_bytes,
+        claimed_peak_bytes=joint.claimed_peak(result.x))
 
 
 def program_peak(problem: ShardingProblem, strategy, keep, options: SolverOptions) -> int:
