@@ -30,10 +30,8 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
-from experiments import zoo  # noqa: E402
 from experiments.common import PlanCompiler, write_result  # noqa: E402
-from experiments.vs_recipes import SIZE_FLAGS  # noqa: E402
-from kiwi_jax.models import build  # noqa: E402
+from experiments.vs_recipes import add_model_arguments, model_sizes, model_step  # noqa: E402
 
 
 def recipe_row(compiler: PlanCompiler, recipe, cluster: str) -> dict:
@@ -95,25 +93,15 @@ def main(argv=None) -> dict:
     from kiwi_jax.recipes import Recipe, all_recipes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--zoo", default="llama", choices=zoo.MODELS, help="a zoo model")
-    which.add_argument("--model", default=None, choices=("gpt", "bert", "mlp"),
-                       help="a reference model")
-    for flag in SIZE_FLAGS:
-        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    add_model_arguments(parser)
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--cluster", default="v100-nvlink")
     parser.add_argument("--recipes", nargs="+", default=None, help="default: all twelve")
     parser.add_argument("--name", default="recipe_plans", help="results/<name>.json")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
-    if args.model:
-        ref = build(args.model, **sizes)
-        name, step, example = args.model, ref.train_step, (*ref.abstract_init(),
-                                                           ref.abstract_batch())
-    else:
-        name, (step, example) = args.zoo, zoo.make(args.zoo, **sizes)
+    sizes = model_sizes(args)
+    name, step, example = model_step(args, sizes)
     compiler = PlanCompiler.for_step(step, example, args.mesh, args.cluster)
     recipes = [Recipe.parse(r) for r in args.recipes] if args.recipes else all_recipes()
     rows = []

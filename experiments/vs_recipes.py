@@ -51,7 +51,22 @@ QUICK = {"model": "mlp", "sizes": {"layers": 5, "width": 16, "batch": 8},
 """``--quick``: the reference MLP of width 16, two recipes and one kiwi budget (seconds)."""
 
 
-def _step(args, sizes: dict):
+def add_model_arguments(parser) -> None:
+    """The model options: ``--zoo NAME`` or ``--model NAME``, and the sizes
+    (:data:`SIZE_FLAGS`, read back by :func:`model_sizes`)."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--zoo", default="llama", choices=zoo.MODELS, help="a zoo model")
+    which.add_argument("--model", default=None, help="a reference model (gpt, bert, mlp)")
+    for flag in SIZE_FLAGS:
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+
+
+def model_sizes(args) -> dict:
+    """The sizes given on the command line (:func:`add_model_arguments`)."""
+    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+
+
+def model_step(args, sizes: dict):
     """``(name, train_step, abstract args)`` of the chosen model."""
     if args.model:
         ref = build(args.model, **sizes)
@@ -86,7 +101,7 @@ def replot(path) -> None:
 
 def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
         print_json: bool, max_budgets: int | None = None) -> dict:
-    model, step, example = _step(args, sizes)
+    model, step, example = model_step(args, sizes)
     shape = MeshSpec.parse(args.mesh).shape
     mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[:shape[0] * shape[1]],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -111,11 +126,7 @@ def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--zoo", default="llama", choices=zoo.MODELS, help="a zoo model")
-    which.add_argument("--model", default=None, help="a reference model (gpt, bert, mlp)")
-    for flag in SIZE_FLAGS:
-        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    add_model_arguments(parser)
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--cluster", default="v100-nvlink")
     parser.add_argument("--recipes", nargs="+", default=None,
@@ -142,7 +153,7 @@ def main(argv=None) -> dict:
         return run(args, QUICK["sizes"], QUICK["recipes"],
                    [parse_bytes(b) for b in QUICK["budgets"]], QUICK["fit_compiles"],
                    args.name, args.json)
-    sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+    sizes = model_sizes(args)
     budgets = [parse_bytes(b) for b in args.budgets] if args.budgets else None
     return run(args, sizes, args.recipes, budgets, args.fit_compiles, args.name, args.json,
                args.kiwi_points)
