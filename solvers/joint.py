@@ -12,7 +12,8 @@ Variables and rows:
 - ``m_i`` binary for each forward node read by the backward pass (z_i = 1): 1 keeps it, 0 drops
   it after its last forward reader and recomputes it before its first backward reader, or, in a
   layer, before the first dropped value of the layer that is recomputed from it
-  (``ShardingProblem.dropped_stages``; the rows bound that stage, see :func:`_memory_rows`).
+  (``ShardingProblem.dropped_stages``; the memory rows count that stage exactly or over every
+  stage it can take, see :func:`_memory_rows`).
 - ``w_i >= cost_i(s, e) - M_i m_i``: the recomputation cost, the (1 - m_i) z_i factor of eq. 2.
 - Memory: every value's lifetime is a union of intervals whose bytes are ``mem_i(s)`` or, for
   the windows a keep decision opens (kept value between its last forward and first backward use;
@@ -276,9 +277,9 @@ class Builder:
             model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
         return peak
 
-    def both(self, x: Expr, y: Expr) -> Expr:
-        """An expression at most ``x`` and at most ``y`` (two 0/1 expressions), at least 0:
-        their conjunction where the rows push it up (a new variable unless one is constant)."""
+    def exact_and(self, x: Expr, y: Expr) -> Expr:
+        """The conjunction of two 0/1 expressions, exact at integer values of what they are
+        built from (rows on both sides; a new variable unless one is constant)."""
         for a, other in ((x, y), (y, x)):
             if a.is_constant:
                 return const(0.0) if a.constant <= 0 else other
@@ -287,6 +288,24 @@ class Builder:
             v = self.model.add_var(lb=0.0, ub=1.0, integer=False)
             self.model.add_row(var(v) - x, -np.inf, 0.0)
             self.model.add_row(var(v) - y, -np.inf, 0.0)
+            self.model.add_row(var(v) - x - y, -1.0, np.inf)
+            self.g_cache[key] = v
+        return var(self.g_cache[key])
+
+    def exact_or(self, conditions: list[Expr]) -> Expr:
+        """The disjunction of 0/1 expressions, exact at integer values of what they are built
+        from (a new variable for two or more that are not constant)."""
+        live = [c for c in conditions if not c.is_constant or c.constant > 0]
+        if any(c.is_constant and c.constant >= 1 for c in live):
+            return const(1.0)
+        if len(live) <= 1:
+            return live[0] if live else const(0.0)
+        key = ("xor", *sorted(c.key for c in live))
+        if key not in self.g_cache:
+            v = self.model.add_var(lb=0.0, ub=1.0, integer=False)
+            for c in live:
+                self.model.add_row(var(v) - c, 0.0, np.inf)
+            self.model.add_row(var(v) - total(live), -np.inf, 0.0)
             self.g_cache[key] = v
         return var(self.g_cache[key])
 
@@ -311,20 +330,6 @@ class Builder:
         """mem_i(s) times a condition at most 1, which may be negative (0 there)."""
         low = condition.constant + float(np.minimum(condition.coefs, 0).sum())
         return self.conditional(i, condition, signed=low < 0)
-
-    def held_from(self, i: int, windows: list[tuple[int, Expr]], end: int) -> list:
-        """Lifetime terms of value i held to ``end`` from the earliest start among
-        ``(start, condition)`` windows whose condition is 1: their union."""
-        starts = sorted({a for a, _ in windows})
-        return [(self.held(i, self.either([c for a, c in windows if a <= lo])), lo, hi)
-                for lo, hi in zip(starts, [a - 1 for a in starts[1:]] + [end])]
-
-    def held_until(self, i: int, windows: list[tuple[int, Expr]], start: int) -> list:
-        """Lifetime terms of value i held from ``start`` to the latest end among
-        ``(end, condition)`` windows whose condition is 1: their union."""
-        ends = sorted({z for z, _ in windows})
-        return [(self.held(i, self.either([c for z, c in windows if z >= hi])), lo, hi)
-                for lo, hi in zip([start] + [z + 1 for z in ends[:-1]], ends)]
 
     def gathered_terms(self) -> list[tuple[Expr, int, int]]:
         """Lifetime terms of the operand copies resharding makes: each alive in the stage of
@@ -542,30 +547,26 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
     """Lifetime terms of every value under KIWI's semantics, limited by the budget.
 
     A dropped value is recomputed at a stage its keep flags and those of its layer decide
-    (``ShardingProblem.dropped_stages``): its first backward reader's, or earlier for a chain.
-    Its earliest possible stage (``recompute_stage``) is the one it has when the chain from it
-    to the value that sets that stage is dropped throughout (:func:`_on_time`), as under a
-    per-block ``jax.checkpoint``; the terms are exact then, and bound the lifetimes from above
-    otherwise. A value read back is held from the earliest stage of the dropped values of its
-    layer recomputed from it; one the backward pass does not read lives through the forward
-    pass and, dropped, from its earliest stage to its chained readers' earliest (to their
-    latest for a reader recomputed later); an operand is held for its dropped readers until the
-    latest of their stages. Where several readers open a window, the value is held over their
-    union (:meth:`Builder.either`), not once per reader.
+    (``ShardingProblem.dropped_stages``): its first backward reader's, or earlier for a chain;
+    the stage lies between its earliest (``recompute_stage``) and latest
+    (``latest_recompute_stage``) possible ones. A value read back is held from its
+    recomputation to its last reader; one the backward pass does not read lives through the
+    forward pass and, dropped, from its recomputation to its last chained reader's (within its
+    stage, from its own recomputation to that reader's, when all its readers are recomputed
+    there: an intermediate of the chain); an operand is held for its dropped readers until the
+    latest of their recomputations.
 
-    Without ``exact`` (the program whose keep flags are free solves first in that form, 3-4x
-    faster on the 4-layer KIWI-config GPT on 2x4 at 80%): a dropped value the backward pass
-    does not read is held over all of its possible stages, and each reader's window counts
-    on its own; the bytes counted are then never fewer, often more for a recomputed chain."""
+    ``exact``: the stages are the keep flags' own (:class:`_Stages`), so the bytes counted are
+    those the simulator replays, for fixed keep flags (baselines, recipes) as for free ones.
+    Without (the program whose keep flags are free solves first in that form, 3-4x faster on
+    the 4-layer KIWI-config GPT on 2x4 at 80%): a dropped value is held over all of its
+    possible stages and each reader's window counts on its own; the bytes counted are then
+    never fewer, often more for a recomputed chain."""
     n = p.num_nodes
     last = np.minimum(p.live, n - 1)
-    early, late = p.recompute_stage, p.latest_recompute_stage
     read_back = p.recomputable            # read by the backward pass
-    readers = p.readers()
-    on_time = _on_time(p, b, keep_expr, droppable)
-    terms: list[tuple[Expr, int, int]] = []
+    terms: list[tuple[Expr, float, float]] = []
     for i in range(n):
-        chained = [j for j in readers[i] if p.chained(i, j)]
         if p.phase[i] == Phase.PARAM:
             terms.append((b.mem(i), 0, n - 1))
         elif read_back[i]:
@@ -575,53 +576,169 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
             if first - 1 > p.fwd_last_use[i]:
                 terms.append((b.conditional(i, keep_expr[i]), int(p.fwd_last_use[i]) + 1,
                               first - 1))
-            # recomputed early for a dropped chained reader
-            windows = [(int(early[j]), const(1.0) - keep_expr[i] - keep_expr[j])
-                       for j in chained if early[j] < first]
-            terms += b.held_from(i, windows, first - 1) if exact else \
-                [(b.held(i, c), a, first - 1) for a, c in windows]
         else:
             terms.append((b.mem(i), i, int(last[i])))
-            if droppable[i] and not exact:
-                terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
-                              int(late[i])))
-            elif droppable[i]:
-                dropped = const(1.0) - keep_expr[i]
-                until = max(int(early[j]) for j in chained)
-                if until == early[i]:     # an intermediate: alive over its stage's readers
-                    last_reader = recomputation_time(n, until, max(chained))
-                    terms.append((b.conditional(i, dropped), recomputation_time(n, until, i),
-                                  last_reader))
-                    after = last_reader + 0.5 / (n + 1)
-                else:
-                    terms.append((b.conditional(i, dropped), int(early[i]), until))
-                    after = until + 1
-                terms += [(b.held(i, dropped - keep_expr[j] - on_time(j)), after, int(late[j]))
-                          for j in chained if late[j] > until]
-    held: dict[int, list[tuple[int, Expr]]] = {}
-    for src, dst in p.uses:               # operands held until a recomputed reader runs (h_i)
+    held = _held_operands(p, keep_expr, droppable)
+    if exact:
+        stages = _Stages(p, b, keep_expr)
+        terms += stages.chain_terms()
+        terms += [term for src, readers in held.items()
+                  for term in stages.operand_terms(src, readers, int(last[src]) + 1)]
+    else:
+        terms += _bounded_chain_terms(p, b, keep_expr)
+        late = p.latest_recompute_stage
+        terms += [(b.held(src, (keep_expr[src] if chained else const(1.0)) - keep_expr[d]),
+                   int(last[src]) + 1, int(late[d]))
+                  for src, readers in held.items() for d, chained in readers]
+    terms += b.gathered_terms()
+    return b.limit_memory(terms, budget, minimize_peak, skip)
+
+
+def _held_operands(p, keep_expr, droppable) -> dict[int, list[tuple[int, bool]]]:
+    """Per forward value, its readers that may be recomputed after its last reader (h_i of
+    eq. 10-11): ``(reader, chained)``. A dropped reader reads the value's forward copy or,
+    for a value read back and dropped, its recomputed copy, which then lives as long; but a
+    value the backward pass does not read that is dropped too is recomputed for the reader and
+    counted with its chain (``chained``: held here only where it is kept)."""
+    last = np.minimum(p.live, p.num_nodes - 1)
+    late = p.latest_recompute_stage
+    held: dict[int, list[tuple[int, bool]]] = {}
+    for src, dst in p.uses:
         src, dst = int(src), int(dst)
         if not droppable[dst] or p.phase[src] != Phase.FORWARD or late[dst] <= last[src]:
             continue
-        dropped = const(1.0) - keep_expr[dst]
-        if dropped.is_constant and dropped.constant == 0.0:
+        if keep_expr[dst].is_constant and keep_expr[dst].constant == 1.0:
             continue
-        if droppable[src] and not read_back[src] and p.chained(src, dst):
-            # a chain through a value the backward pass does not read: dropped, its copy is
-            # counted above; kept, it is held from its last forward reader for this one
-            dropped = keep_expr[src] - keep_expr[dst]
-        held.setdefault(src, []).append((dst, dropped))
-    for src, pairs in held.items():
-        start = int(last[src]) + 1
-        if not exact:
-            terms += [(b.held(src, c), start, int(late[d])) for d, c in pairs]
-            continue
-        terms += b.held_until(src, [(int(early[d]), c) for d, c in pairs if early[d] >= start],
-                              start)
-        terms += [(b.held(src, c - on_time(d)), max(int(early[d]) + 1, start),
-                   int(late[d])) for d, c in pairs if late[d] >= max(int(early[d]) + 1, start)]
-    terms += b.gathered_terms()
-    return b.limit_memory(terms, budget, minimize_peak, skip)
+        held.setdefault(src, []).append((dst, p.chained(src, dst) and not p.recomputable[src]))
+    return held
+
+
+def _bounded_chain_terms(p, b: Builder, keep_expr) -> list[tuple[Expr, int, int]]:
+    """The recomputed copies of dropped values, each held over all of its possible stages (an
+    upper bound of :meth:`_Stages.chain_terms`): a value read back from each dropped chained
+    reader's earliest stage, one the backward pass does not read from its earliest stage to its
+    latest."""
+    early, late = p.recompute_stage, p.latest_recompute_stage
+    readers = p.readers()
+    terms = []
+    for i in np.flatnonzero(p.droppable):
+        i = int(i)
+        if p.recomputable[i]:
+            first = int(p.first_bwd_use[i])
+            terms += [(b.held(i, const(1.0) - keep_expr[i] - keep_expr[j]), int(early[j]),
+                       first - 1)
+                      for j in readers[i] if p.chained(i, j) and early[j] < first]
+        else:
+            terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
+                          int(late[i])))
+    return terms
+
+
+class _Stages:
+    """Where each dropped value is recomputed, as exact 0/1 expressions of the keep flags:
+    :meth:`by` (``ShardingProblem.dropped_stages`` for any keep flags), and the lifetime terms
+    that follow from it. A value's possible stages are its own first backward reader's and
+    those of its chained readers; with free keep flags each (value, stage) pair is a variable
+    (shared by tied layers), constants with fixed ones."""
+
+    def __init__(self, p, b: Builder, keep_expr):
+        self.p, self.b = p, b
+        self.dropped = [const(1.0) - k for k in keep_expr]
+        self.readers = p.readers()
+        self.chained = {i: [j for j in self.readers[i] if p.chained(i, j)]
+                        for i in np.flatnonzero(p.droppable).tolist()}
+        self.stages: dict[int, list[int]] = {}
+        for i in sorted(self.chained, reverse=True):
+            own = {int(p.first_bwd_use[i])} if p.recomputable[i] else set()
+            below = own | {t for j in self.chained[i] for t in self.stages[j]}
+            self.stages[i] = sorted(t for t in below if not own or t <= min(own))
+        self._by: dict[tuple[int, int], Expr] = {}
+
+    def by(self, i: int, t: float) -> Expr:
+        """1 where value i is dropped and recomputed in stage ``t`` or before."""
+        stages = self.stages.get(i, [])
+        k = int(np.searchsorted(stages, t, side="right")) - 1
+        if k < 0:
+            return const(0.0)
+        t = stages[k]
+        if (i, t) not in self._by:
+            if self.p.recomputable[i] and self.p.first_bwd_use[i] <= t:
+                self._by[i, t] = self.dropped[i]
+            else:
+                self._by[i, t] = self.b.exact_and(
+                    self.dropped[i], self.b.exact_or([self.by(j, t) for j in self.chained[i]]))
+        return self._by[i, t]
+
+    def at(self, i: int, t: int) -> Expr:
+        """1 where value i is dropped and recomputed in stage ``t``."""
+        return self.by(i, t) - self.by(i, t - 1)
+
+    def after(self, i: int, t: float) -> Expr:
+        """1 where value i is dropped and recomputed after stage ``t`` (a value dropped for
+        nothing, with no dropped chained reader, is recomputed nowhere)."""
+        stages = self.stages.get(i, [])
+        if not stages or stages[-1] <= t:
+            return const(0.0)
+        return self.by(i, np.inf) - self.by(i, t)
+
+    def read_after(self, i: int, t: int) -> Expr:
+        """1 where a chained reader of value i is recomputed after stage ``t``."""
+        return self.b.exact_or([self.after(j, t) for j in self.chained[i]])
+
+    def chain_terms(self) -> list[tuple[Expr, float, float]]:
+        """The recomputed copies of the dropped values."""
+        terms = []
+        for i in self.chained:
+            if self.p.recomputable[i]:
+                terms += self._read_back_terms(i)
+            else:
+                terms += self._chain_only_terms(i)
+        return terms
+
+    def _read_back_terms(self, i: int) -> list:
+        """A value read back, recomputed before its first backward reader for a dropped chained
+        reader: held from then (its stage's terms from the first backward reader on are the
+        value's own)."""
+        first = int(self.p.first_bwd_use[i])
+        early = [t for t in self.stages[i] if t < first]
+        return [(self.b.held(i, self.by(i, t)), t, end - 1)
+                for t, end in zip(early, early[1:] + [first])]
+
+    def _chain_only_terms(self, i: int) -> list:
+        """A value the backward pass does not read: alive from its recomputation to the last
+        stage of a dropped chained reader; within its stage only, from its own recomputation
+        to its last reader's, when all those readers are recomputed there (the simulator's
+        ``chain_intermediates``)."""
+        b, n, stages = self.b, self.p.num_nodes, self.stages[i]
+        spans = [b.exact_and(self.by(i, t), self.read_after(i, t)) for t in stages]
+        terms = []
+        for k, t in enumerate(stages):
+            terms.append((b.held(i, spans[k]), t, t if k + 1 == len(stages) else
+                          stages[k + 1] - 1))
+            if k:                            # the last stage of a span that ends here
+                terms.append((b.held(i, spans[k - 1] - spans[k]), t, t))
+            only_here = self.at(i, t) - self.read_after(i, t)
+            readers = sorted(j for j in self.chained[i] if t in self.stages[j])
+            for q, j in enumerate(readers):
+                start = recomputation_time(n, t, i if q == 0 else readers[q - 1]) \
+                    + (0.0 if q == 0 else 0.5 / (n + 1))
+                later = b.either([self.at(r, t) for r in readers[q:]])
+                terms.append((b.held(i, only_here + later - const(1.0)), start,
+                              recomputation_time(n, t, j)))
+        return terms
+
+    def operand_terms(self, src: int, readers: list[tuple[int, bool]], start: int) -> list:
+        """Value ``src`` held from stage ``start`` for its ``(reader, chained)`` readers
+        (:func:`_held_operands`) until the last of the dropped readers' recomputations."""
+        cuts = sorted({start} | {t + 1 for d, _ in readers for t in self.stages.get(d, [])
+                                 if t >= start})
+        kept = const(1.0) - self.dropped[src]
+        terms = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            alive = [self.after(d, lo - 1) + (kept - const(1.0) if chained else const(0.0))
+                     for d, chained in readers]
+            terms.append((self.b.held(src, self.b.either(alive)), lo, hi - 1))
+        return terms
 
 
 def recomputation_time(n: int, stage: int, node: int) -> float:
@@ -629,29 +746,3 @@ def recomputation_time(n: int, stage: int, node: int) -> float:
     problem of ``n`` nodes): after stage ``stage - 1``, before the stage's own node, in node
     order (the simulator's :func:`~solvers.simulator.chain_intermediates`)."""
     return stage - 1 + (node + 1) / (n + 1)
-
-
-def _on_time(p, b: Builder, keep_expr, droppable):
-    """A function of a node: an expression at most 1, and 1 only where the node is dropped and
-    recomputed at its earliest stage (``recompute_stage``): it and every value on the chain
-    from it to the value whose first backward reader sets that stage are dropped (0 for other
-    nodes). The memory rows only bound it from above, and the solver raises it to that
-    conjunction where it lowers the bytes counted. Built for the nodes asked about only."""
-    early, readers = p.recompute_stage, p.readers()
-    found: dict[int, Expr] = {}
-
-    def on_time(i: int) -> Expr:
-        path = []
-        while i not in found:                   # down the chain to a node already known
-            if not droppable[i]:
-                found[i] = const(0.0)
-            elif p.recomputable[i] and early[i] == p.first_bwd_use[i]:
-                found[i] = const(1.0) - keep_expr[i]
-            else:
-                path.append(i)
-                i = next(j for j in readers[i] if p.chained(i, j) and early[j] == early[i])
-        for j in reversed(path):
-            found[j] = b.both(const(1.0) - keep_expr[j], found[i])
-            i = j
-        return found[i]
-    return on_time

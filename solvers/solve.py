@@ -19,6 +19,7 @@ import numpy as np
 from solvers.full import FullModel, build_full
 from solvers.heuristics import RULES
 from solvers.joint import build_joint
+from solvers.linexpr import var
 from solvers.options import DEFAULTS, SolverOptions
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
@@ -650,18 +651,26 @@ def least_memory_plan(problem: ShardingProblem, fastest: Solution, pinned: dict[
 
 
 def program_peak(problem: ShardingProblem, strategy, keep, options: SolverOptions) -> int:
-    """The per-device peak the joint program itself counts for a plan, every decision fixed
-    (its largest U_k; the simulator replays the plan to :attr:`Solution.peak_bytes`). The
-    program's lifetimes bound a dropped value's from above where its recompute stage depends on
-    other keep flags, so a plan that recomputes chains may count more here than it holds.
+    """The per-device peak kiwi's program itself counts for a plan (its largest U_k; the
+    simulator replays the plan to :attr:`Solution.peak_bytes`): the program whose keep flags
+    are free, in the exact form of its chains' lifetimes (the one it falls back to), with the
+    plan's strategies pinned and its keep flags held by rows. Tied as ``options.reuse_layers``
+    says where the plan decides alike for every tied pair of nodes; untied where it does not
+    (the plan is then one of the untied program only).
 
     Raises:
       SolverError: the backend found no solution (it has exactly one).
     """
+    strategy, keep = np.asarray(strategy), np.asarray(keep, bool)
     pinned = {i: int(s) for i, s in enumerate(strategy)}
     tie = problem.ties if options.reuse_layers else None
-    joint = build_joint(problem, None, fixed_keep=keep, minimize_peak=True, tie=tie,
-                        pinned=pinned)
+    if tie is not None and ((strategy != strategy[tie]).any() or (keep != keep[tie]).any()):
+        log.info("program_peak: the plan decides tied nodes apart; counting it untied")
+        tie = None
+    joint = build_joint(problem, None, minimize_peak=True, tie=tie, pinned=pinned,
+                        exact_chains=True)
+    for node, index in joint.m_vars.items():
+        joint.model.add_row(var(index), float(keep[node]), float(keep[node]))
     result = joint.model.solve(options.backend, time_limit=options.time_limit,
                                mip_gap=REFERENCE_GAP, seed=options.seed, threads=options.threads)
     if result.x is None:

@@ -336,6 +336,28 @@ def test_a_final_solve_without_a_plan_answers_with_the_warm_start_stages_plan(mo
         solve(p, budget, solver="kiwi", time_limit=5, warm_start=None)
 
 
+def test_a_warm_start_that_fits_as_replayed_is_the_answer_where_the_program_has_no_plan(
+        monkeypatch):
+    # The program has no plan under a budget its caller's plan fits as replayed where it
+    # cannot express that plan (keep flags that differ between layers it ties); given, the
+    # plan is the answer, at its replayed peak.
+    p = random_problem(7, layers=6, width=3)
+    plan = solve(p, None, solver="alpa+dots", warm_start=None)
+    module = sys.modules["solvers.solve"]
+    monkeypatch.setattr(module, "_solve", lambda *args, **kwargs: None)
+    with pytest.raises(solvers.InfeasibleBudgetError):
+        solve(p, plan.peak_bytes, solver="alpa+dots", warm_start=None, search_min_feasible=False)
+    answer = solve(p, plan.peak_bytes, solver="alpa+dots", warm_start=plan,
+                   search_min_feasible=False)
+    assert answer.status == Status.FEASIBLE and answer.gap == float("inf")
+    assert answer.peak_bytes == plan.peak_bytes
+    assert answer.objective == pytest.approx(plan.objective, rel=1e-12)      # replayed
+    assert np.array_equal(answer.strategy, plan.strategy)
+    with pytest.raises(solvers.InfeasibleBudgetError):          # over the budget: not taken
+        solve(p, plan.peak_bytes - 1, solver="alpa+dots", warm_start=plan,
+              search_min_feasible=False)
+
+
 def test_a_final_plan_slower_than_the_warm_start_gives_way_to_it(monkeypatch):
     # HiGHS may stop before it has taken the start up and answer with a slower plan of its own.
     p = random_problem(7, layers=6, width=3)
