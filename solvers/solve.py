@@ -571,7 +571,8 @@ def pinned_plan(problem: ShardingProblem, keep: np.ndarray, pinned: dict[int, in
     """The fastest plan with the keep flags ``keep`` whose nodes in ``pinned`` take the
     strategies given there (a hand-written recipe's state layout and block policy as a plan of
     the program, :func:`kiwi_jax.recipe_plan.recipe_solution`); the other nodes' strategies
-    are solved for. ``options.reuse_layers`` ties the repeated layers, as ``kiwi`` does.
+    are solved for. ``options.reuse_layers`` ties the repeated layers, as ``kiwi`` does,
+    but where the pins set a node and its tied twin apart (then the program is untied).
 
     Args:
       name: the plan's :attr:`Solution.solver`.
@@ -585,21 +586,23 @@ def pinned_plan(problem: ShardingProblem, keep: np.ndarray, pinned: dict[int, in
 
     Raises:
       ValueError: a pinned strategy no strategy of the node's leader gives, pins that
-        contradict each other (tied twins pinned apart), or keep flags that break KIWI's eq. 9
-        outside layers.
+        contradict each other, or keep flags that break KIWI's eq. 9 outside layers.
       InfeasibleBudgetError: no such plan fits the budget.
       SolverTimeoutError: the time limit passed before any plan was found.
       SolverError: the backend failed.
     """
-    tie = problem.ties if options.reuse_layers else None
+    tie = _pinned_ties(problem, pinned, options)
     joint = build_joint(problem, budget_bytes, fixed_keep=keep, tie=tie, pinned=pinned)
     result = joint.model.solve(options.backend, time_limit=options.time_limit,
                                mip_gap=options.mip_gap, seed=options.seed,
                                threads=options.threads)
     if result.x is None:
+        if result.status == Status.INFEASIBLE and budget_bytes is None and tie is not None:
+            return pinned_plan(problem, keep, pinned, dataclasses.replace(
+                options, reuse_layers=False), name, budget_bytes, least_memory)
         if result.status == Status.INFEASIBLE and budget_bytes is None:
-            raise ValueError(f"{name}: no plan takes every pinned strategy (tied layers pinned "
-                             "apart?); solve it with reuse_layers=False")
+            raise ValueError(f"{name}: no plan takes every pinned strategy: the pins "
+                             "contradict each other")
         if result.status == Status.INFEASIBLE:
             raise InfeasibleBudgetError(name, budget_bytes, None, searched=False)
         if result.status == Status.TIMEOUT_NO_INCUMBENT:
@@ -619,6 +622,19 @@ def pinned_plan(problem: ShardingProblem, keep: np.ndarray, pinned: dict[int, in
     return least_memory_plan(problem, fastest, pinned, options) if least_memory else fastest
 
 
+def _pinned_ties(problem: ShardingProblem, pinned: dict[int, int],
+                 options: SolverOptions) -> np.ndarray | None:
+    """The layer ties of a program with ``pinned`` strategies: the problem's with
+    ``options.reuse_layers``, but none where a pinned node and its tied twin are pinned apart
+    (a Megatron layout alternates column and row splits over layers the ties make one)."""
+    tie = problem.ties if options.reuse_layers else None
+    if tie is not None and any(int(tie[node]) in pinned and pinned[int(tie[node])] != choice
+                               for node, choice in pinned.items()):
+        log.info("tied nodes are pinned to different strategies; solving untied")
+        return None
+    return tie
+
+
 def least_memory_plan(problem: ShardingProblem, fastest: Solution, pinned: dict[int, int],
                       options: SolverOptions) -> Solution:
     """Of the plans as fast as ``fastest`` (a :func:`pinned_plan` of ``pinned``, under its
@@ -629,7 +645,7 @@ def least_memory_plan(problem: ShardingProblem, fastest: Solution, pinned: dict[
     Raises:
       SolverTimeoutError: the time limit passed before the backend took the fastest plan up.
     """
-    tie = problem.ties if options.reuse_layers else None
+    tie = _pinned_ties(problem, pinned, options)
     joint = build_joint(problem, fastest.budget_bytes, fixed_keep=fastest.keep,
                         minimize_peak=True, tie=tie, pinned=pinned,
                         max_seconds=fastest.objective * (1 + 1e-7))

@@ -14,6 +14,7 @@ from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.recipe_plan import best_recipe_start, recipe_keep, recipe_pins, recipe_solution
 from kiwi_jax.recipes import Recipe
 from kiwi_jax.recipe_specs import recipe_specs
+from kiwi_jax.models.registry import build as reference
 from kiwi_jax.problem import build_problem
 from kiwi_jax.sharding import from_partition_spec
 from kiwi_jax.step import functionalize
@@ -25,13 +26,23 @@ LLAMA = {"layers": 2, "dim": 16, "heads": 2, "kv_heads": 1, "batch": 8, "seq": 8
 OPTIONS = SolverOptions(time_limit=60, mip_gap=1e-6)
 
 
-@pytest.fixture(scope="module")
-def planned(mesh24):
-    step, args = zoo.make("llama", **LLAMA)
+def _planned(step, args):
+    """The traced step and its problem on 2x4."""
     traced = trace_for_planning(functionalize(step, args), in_program_order(8))
     build = build_problem(traced.graph, MeshSpec.parse("2x4"), Cluster.parse("v100-nvlink"),
                           carried=carried_pairs(traced))
     return traced, build
+
+
+def _reference(name: str, **sizes):
+    """A reference model's traced step and problem on 2x4."""
+    ref = reference(name, **sizes)
+    return _planned(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()))
+
+
+@pytest.fixture(scope="module")
+def planned(mesh24):
+    return _planned(*zoo.make("llama", **LLAMA))
 
 
 class _Solutions(dict):
@@ -137,13 +148,7 @@ def test_a_reference_gpts_block_policies_are_plans_of_kiwis_program_at_their_mem
     recomputed later than its earliest stage (before, the program held it from there: 1.30x
     the replayed peak at hidden 1024 on 2x4). Where a plan decides tied nodes apart, it is
     counted in the untied program (``program_peak``)."""
-    from kiwi_jax.models.registry import build as reference
-
-    ref = reference("gpt", layers=2, hidden=16, heads=2, seq=8, batch=8, vocab=64)
-    args = (*ref.abstract_init(), ref.abstract_batch())
-    traced = trace_for_planning(functionalize(ref.train_step, args), in_program_order(8))
-    build = build_problem(traced.graph, MeshSpec.parse("2x4"), Cluster.parse("v100-nvlink"),
-                          carried=carried_pairs(traced))
+    traced, build = _reference("gpt", layers=2, hidden=16, heads=2, seq=8, batch=8, vocab=64)
     problem = build.problem
     solution = recipe_solution(traced, build, mesh24, Recipe.parse(name), OPTIONS,
                                least_memory=False)
@@ -152,3 +157,15 @@ def test_a_reference_gpts_block_policies_are_plans_of_kiwis_program_at_their_mem
     assert late                                     # chains recomputed after their earliest
     assert program_peak(problem, solution.strategy, solution.keep, OPTIONS) == \
         solution.peak_bytes
+
+
+def test_a_layout_that_sets_tied_layers_apart_is_planned_untied(mesh24):
+    """Megatron's column and row splits alternate over the reference MLP's layers, which the
+    ties make one: the recipe is planned in the untied program, its pins kept."""
+    traced, build = _reference("mlp", layers=3, width=16)
+    recipe = Recipe.parse("tp")
+    pins = recipe_pins(traced, build, mesh24, recipe)
+    tie = build.problem.ties
+    assert any(int(tie[node]) in pins and pins[int(tie[node])] != s for node, s in pins.items())
+    solution = recipe_solution(traced, build, mesh24, recipe, OPTIONS)
+    assert all(solution.strategy[node] == s for node, s in pins.items())
