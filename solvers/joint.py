@@ -565,6 +565,8 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
     n = p.num_nodes
     last = np.minimum(p.live, n - 1)
     read_back = p.recomputable            # read by the backward pass
+    stages = _Stages(p, b, keep_expr) if exact else None
+    readers = p.readers()
     terms: list[tuple[Expr, float, float]] = []
     for i in range(n):
         if p.phase[i] == Phase.PARAM:
@@ -578,18 +580,18 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
                               first - 1))
         else:
             terms.append((b.mem(i), i, int(last[i])))
+        if droppable[i]:               # its recomputed copy
+            terms += stages.chain_terms(i) if exact else \
+                _bounded_chain_terms(p, b, keep_expr, readers, i)
     held = _held_operands(p, keep_expr, droppable)
     if exact:
-        stages = _Stages(p, b, keep_expr)
-        terms += stages.chain_terms()
-        terms += [term for src, readers in held.items()
-                  for term in stages.operand_terms(src, readers, int(last[src]) + 1)]
+        terms += [term for src, pairs in held.items()
+                  for term in stages.operand_terms(src, pairs, int(last[src]) + 1)]
     else:
-        terms += _bounded_chain_terms(p, b, keep_expr)
         late = p.latest_recompute_stage
         terms += [(b.held(src, (keep_expr[src] if chained else const(1.0)) - keep_expr[d]),
                    int(last[src]) + 1, int(late[d]))
-                  for src, readers in held.items() for d, chained in readers]
+                  for src, pairs in held.items() for d, chained in pairs]
     terms += b.gathered_terms()
     return b.limit_memory(terms, budget, minimize_peak, skip)
 
@@ -613,25 +615,18 @@ def _held_operands(p, keep_expr, droppable) -> dict[int, list[tuple[int, bool]]]
     return held
 
 
-def _bounded_chain_terms(p, b: Builder, keep_expr) -> list[tuple[Expr, int, int]]:
-    """The recomputed copies of dropped values, each held over all of its possible stages (an
-    upper bound of :meth:`_Stages.chain_terms`): a value read back from each dropped chained
-    reader's earliest stage, one the backward pass does not read from its earliest stage to its
-    latest."""
-    early, late = p.recompute_stage, p.latest_recompute_stage
-    readers = p.readers()
-    terms = []
-    for i in np.flatnonzero(p.droppable):
-        i = int(i)
-        if p.recomputable[i]:
-            first = int(p.first_bwd_use[i])
-            terms += [(b.held(i, const(1.0) - keep_expr[i] - keep_expr[j]), int(early[j]),
-                       first - 1)
-                      for j in readers[i] if p.chained(i, j) and early[j] < first]
-        else:
-            terms.append((b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
-                          int(late[i])))
-    return terms
+def _bounded_chain_terms(p, b: Builder, keep_expr, readers, i: int
+                         ) -> list[tuple[Expr, int, int]]:
+    """The recomputed copy of droppable value i, dropped, held over all of its possible stages
+    (an upper bound of :meth:`_Stages.chain_terms`): read back, from each dropped chained
+    reader's earliest stage; else from its earliest stage to its latest."""
+    early = p.recompute_stage
+    if not p.recomputable[i]:
+        return [(b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
+                 int(p.latest_recompute_stage[i]))]
+    first = int(p.first_bwd_use[i])
+    return [(b.held(i, const(1.0) - keep_expr[i] - keep_expr[j]), int(early[j]), first - 1)
+            for j in readers[i] if p.chained(i, j) and early[j] < first]
 
 
 class _Stages:
@@ -685,15 +680,10 @@ class _Stages:
         """1 where a chained reader of value i is recomputed after stage ``t``."""
         return self.b.exact_or([self.after(j, t) for j in self.chained[i]])
 
-    def chain_terms(self) -> list[tuple[Expr, float, float]]:
-        """The recomputed copies of the dropped values."""
-        terms = []
-        for i in self.chained:
-            if self.p.recomputable[i]:
-                terms += self._read_back_terms(i)
-            else:
-                terms += self._chain_only_terms(i)
-        return terms
+    def chain_terms(self, i: int) -> list[tuple[Expr, float, float]]:
+        """The recomputed copy of droppable value i."""
+        return self._read_back_terms(i) if self.p.recomputable[i] else \
+            self._chain_only_terms(i)
 
     def _read_back_terms(self, i: int) -> list:
         """A value read back, recomputed before its first backward reader for a dropped chained
