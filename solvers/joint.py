@@ -292,37 +292,23 @@ class Builder:
             self.g_cache[key] = v
         return var(self.g_cache[key])
 
-    def exact_or(self, conditions: list[Expr]) -> Expr:
-        """The disjunction of 0/1 expressions, exact at integer values of what they are built
-        from (a new variable for two or more that are not constant)."""
-        live = [c for c in conditions if not c.is_constant or c.constant > 0]
-        if any(c.is_constant and c.constant >= 1 for c in live):
-            return const(1.0)
-        if len(live) <= 1:
-            return live[0] if live else const(0.0)
-        key = ("xor", *sorted(c.key for c in live))
-        if key not in self.g_cache:
-            v = self.model.add_var(lb=0.0, ub=1.0, integer=False)
-            for c in live:
-                self.model.add_row(var(v) - c, 0.0, np.inf)
-            self.model.add_row(var(v) - total(live), -np.inf, 0.0)
-            self.g_cache[key] = v
-        return var(self.g_cache[key])
-
-    def either(self, conditions: list[Expr]) -> Expr:
+    def either(self, conditions: list[Expr], exact: bool = False) -> Expr:
         """An expression at least every condition (each at most 1), at most 1: their
         disjunction where the rows push it down (a new variable for two or more that are not
-        constant)."""
+        constant); with ``exact``, at most their sum too, so it is their disjunction at
+        integer values of what they are built from."""
         live = [c for c in conditions if not c.is_constant or c.constant > 0]
         if any(c.is_constant and c.constant >= 1 for c in live):
             return const(1.0)
         if len(live) <= 1:
             return live[0] if live else const(0.0)
-        key = ("or", *sorted(c.key for c in live))
+        key = ("xor" if exact else "or", *sorted(c.key for c in live))
         if key not in self.g_cache:
             v = self.model.add_var(lb=0.0, ub=1.0, integer=False)
             for c in live:
                 self.model.add_row(var(v) - c, 0.0, np.inf)
+            if exact:
+                self.model.add_row(var(v) - total(live), -np.inf, 0.0)
             self.g_cache[key] = v
         return var(self.g_cache[key])
 
@@ -565,8 +551,8 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
     n = p.num_nodes
     last = np.minimum(p.live, n - 1)
     read_back = p.recomputable            # read by the backward pass
-    stages = _Stages(p, b, keep_expr) if exact else None
     readers = p.readers()
+    stages = _Stages(p, b, keep_expr, readers) if exact else None
     terms: list[tuple[Expr, float, float]] = []
     for i in range(n):
         if p.phase[i] == Phase.PARAM:
@@ -636,18 +622,19 @@ class _Stages:
     those of its chained readers; with free keep flags each (value, stage) pair is a variable
     (shared by tied layers), constants with fixed ones."""
 
-    def __init__(self, p, b: Builder, keep_expr):
+    def __init__(self, p, b: Builder, keep_expr, readers):
         self.p, self.b = p, b
         self.dropped = [const(1.0) - k for k in keep_expr]
-        self.readers = p.readers()
-        self.chained = {i: [j for j in self.readers[i] if p.chained(i, j)]
+        self.chained = {i: [j for j in readers[i] if p.chained(i, j)]
                         for i in np.flatnonzero(p.droppable).tolist()}
         self.stages: dict[int, list[int]] = {}
-        for i in sorted(self.chained, reverse=True):
+        self._by: dict[tuple[int, int], Expr] = {}
+        for i in sorted(self.chained, reverse=True):     # readers first: no deep recursion
             own = {int(p.first_bwd_use[i])} if p.recomputable[i] else set()
             below = own | {t for j in self.chained[i] for t in self.stages[j]}
             self.stages[i] = sorted(t for t in below if not own or t <= min(own))
-        self._by: dict[tuple[int, int], Expr] = {}
+            for t in self.stages[i]:
+                self.by(i, t)
 
     def by(self, i: int, t: float) -> Expr:
         """1 where value i is dropped and recomputed in stage ``t`` or before."""
@@ -660,8 +647,8 @@ class _Stages:
             if self.p.recomputable[i] and self.p.first_bwd_use[i] <= t:
                 self._by[i, t] = self.dropped[i]
             else:
-                self._by[i, t] = self.b.exact_and(
-                    self.dropped[i], self.b.exact_or([self.by(j, t) for j in self.chained[i]]))
+                read = self.b.either([self.by(j, t) for j in self.chained[i]], exact=True)
+                self._by[i, t] = self.b.exact_and(self.dropped[i], read)
         return self._by[i, t]
 
     def at(self, i: int, t: int) -> Expr:
@@ -678,7 +665,7 @@ class _Stages:
 
     def read_after(self, i: int, t: int) -> Expr:
         """1 where a chained reader of value i is recomputed after stage ``t``."""
-        return self.b.exact_or([self.after(j, t) for j in self.chained[i]])
+        return self.b.either([self.after(j, t) for j in self.chained[i]], exact=True)
 
     def chain_terms(self, i: int) -> list[tuple[Expr, float, float]]:
         """The recomputed copy of droppable value i."""
@@ -717,16 +704,16 @@ class _Stages:
                               recomputation_time(n, t, j)))
         return terms
 
-    def operand_terms(self, src: int, readers: list[tuple[int, bool]], start: int) -> list:
-        """Value ``src`` held from stage ``start`` for its ``(reader, chained)`` readers
+    def operand_terms(self, src: int, pairs: list[tuple[int, bool]], start: int) -> list:
+        """Value ``src`` held from stage ``start`` for its ``(reader, chained)`` pairs
         (:func:`_held_operands`) until the last of the dropped readers' recomputations."""
-        cuts = sorted({start} | {t + 1 for d, _ in readers for t in self.stages.get(d, [])
+        cuts = sorted({start} | {t + 1 for d, _ in pairs for t in self.stages.get(d, [])
                                  if t >= start})
         kept = const(1.0) - self.dropped[src]
         terms = []
         for lo, hi in zip(cuts, cuts[1:]):
             alive = [self.after(d, lo - 1) + (kept - const(1.0) if chained else const(0.0))
-                     for d, chained in readers]
+                     for d, chained in pairs]
             terms.append((self.b.held(src, self.b.either(alive)), lo, hi - 1))
         return terms
 
