@@ -1,9 +1,10 @@
 """Hand-written recipes as plans of kiwi's program (:mod:`kiwi_jax.recipe_plan`), on the zoo
-Llama on a 2x4 mesh: every argument takes the recipe's layout and every value its policy's
-keep flag; the plan's objective is the simulator's price of it; every recipe, with or without
-a block policy, is a plan of kiwi's program at its own predicted memory (the program, keep
-flags free in the exact form of its chains, counts the peak the simulator replays), and kiwi
-started from a recipe's plan is at least as fast at its memory."""
+Llama (and the reference GPT and MLP) on a 2x4 mesh: every argument takes the recipe's layout
+and every value its policy's keep flag; the plan's objective is the simulator's price of it;
+every recipe, with or without a block policy, is a plan of kiwi's program at its own predicted
+memory (the program, keep flags free in the exact form of its chains, counts the peak the
+simulator replays), and kiwi started from a recipe's plan is at least as fast at its
+memory."""
 
 import numpy as np
 import pytest
@@ -145,9 +146,9 @@ def test_a_layout_outside_the_strategies_is_named(planned, mesh24):
 def test_a_reference_gpts_block_policies_are_plans_of_kiwis_program_at_their_memory(
         name, mesh24):
     """The reference GPT's blocks keep their residual stream's sum, so a dropped chain is
-    recomputed later than its earliest stage (before, the program held it from there: 1.30x
-    the replayed peak at hidden 1024 on 2x4). Where a plan decides tied nodes apart, it is
-    counted in the untied program (``program_peak``)."""
+    recomputed later than its earliest stage (before, the program held it from there:
+    1.24-1.44x the replayed peak at hidden 1024 on 2x4). Where a plan decides tied nodes
+    apart, it is counted in the untied program (``program_peak``)."""
     traced, build = _reference("gpt", layers=2, hidden=16, heads=2, seq=8, batch=8, vocab=64)
     problem = build.problem
     solution = recipe_solution(traced, build, mesh24, Recipe.parse(name), OPTIONS,
