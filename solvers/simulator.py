@@ -11,8 +11,9 @@ Semantics:
   (keep flags) recompute a dropped value once, in the stage of its first backward reader.
 - Every use of a value (by the node of stage t, by a recomputation in stage t, or as a step
   output at time n) is served by the latest copy created at or before t; using a value before
-  any copy exists cannot happen (every use comes after the value's own stage). A copy is alive from its creation to the last use it serves
-  (free after last use); inputs (phase ``param``) are alive throughout.
+  any copy exists cannot happen (every use comes after the value's own stage). A copy is
+  alive from its creation to the last use it serves (free after last use); inputs (phase
+  ``param``) are alive throughout.
 - Step time = sum over nodes of (number of executions) x (c_i + d_i + resharding on the node's
   incoming edges) (KIWI eq. 1 and 2).
 - The operand copies the resharding of node t's operands makes (an all-gathered or exchanged
