@@ -569,7 +569,7 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
         if droppable[i]:               # its recomputed copy
             terms += stages.chain_terms(i) if exact else \
                 _bounded_chain_terms(p, b, keep_expr, readers, i)
-    held = _held_operands(p, keep_expr, droppable)
+    held = _held_operands(p, keep_expr, droppable, last)
     if exact:
         terms += [term for src, pairs in held.items()
                   for term in stages.operand_terms(src, pairs, int(last[src]) + 1)]
@@ -582,13 +582,13 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
     return b.limit_memory(terms, budget, minimize_peak, skip)
 
 
-def _held_operands(p, keep_expr, droppable) -> dict[int, list[tuple[int, bool]]]:
+def _held_operands(p, keep_expr, droppable, last) -> dict[int, list[tuple[int, bool]]]:
     """Per forward value, its readers that may be recomputed after its last reader (h_i of
     eq. 10-11): ``(reader, chained)``. A dropped reader reads the value's forward copy or,
     for a value read back and dropped, its recomputed copy, which then lives as long; but a
     value the backward pass does not read that is dropped too is recomputed for the reader and
-    counted with its chain (``chained``: held here only where it is kept)."""
-    last = np.minimum(p.live, p.num_nodes - 1)
+    counted with its chain (``chained``: held here only where it is kept). ``last``: per
+    value, its last reader's stage."""
     late = p.latest_recompute_stage
     held: dict[int, list[tuple[int, bool]]] = {}
     for src, dst in p.uses:

@@ -679,9 +679,9 @@ def program_peak(problem: ShardingProblem, strategy, keep, options: SolverOption
     """
     strategy, keep = np.asarray(strategy), np.asarray(keep, bool)
     pinned = {i: int(s) for i, s in enumerate(strategy)}
-    tie = problem.ties if options.reuse_layers else None
-    if tie is not None and ((strategy != strategy[tie]).any() or (keep != keep[tie]).any()):
-        log.info("program_peak: the plan decides tied nodes apart; counting it untied")
+    tie = _pinned_ties(problem, pinned, options)
+    if tie is not None and (keep != keep[tie]).any():
+        log.info("program_peak: the plan keeps tied nodes apart; counting it untied")
         tie = None
     joint = build_joint(problem, None, minimize_peak=True, tie=tie, pinned=pinned,
                         exact_chains=True)
