@@ -176,6 +176,10 @@ def test_a_budget_under_the_plain_step_is_searched_against_the_compiler(caplog, 
     if fit.ratio < 0.97:
         fastest = solvers.reference_plan(prepared.build.problem, time_limit=60.0)
         assert plan.predicted_step_seconds <= fastest.objective * (1 + FAST["mip_gap"])
+    ruled_out = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=19_000_000,
+                                  memory_model="operator", **{**FAST, "fit_compiles": 0})
+    with pytest.raises(solvers.InfeasibleBudgetError):          # no search: the model decides
+        ruled_out.lower(*ref.abstract_init(), ref.abstract_batch())
     tight = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=1_000_000,
                               memory_model="operator", **FAST)
     with pytest.raises(solvers.InfeasibleBudgetError) as error:     # names what the plan needs
