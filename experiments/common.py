@@ -151,9 +151,9 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
             row = {"method": method, "budget_bytes": budget,
                    "budget_fraction": round(budget / reference.peak_bytes, 4),
                    "min_feasible_bytes": plan and int(plan.budget_bytes)}
-            if low is None or budget < low:     # proven, or no plan at all found in time
+            if plan is None or (low is not None and budget < low):   # none found, or proven
                 row.update(feasible=False, solve_seconds=0.0,
-                           status="infeasible" if low is not None else "timeout_no_incumbent")
+                           status="infeasible" if plan is not None else "timeout_no_incumbent")
                 _progress(row)
                 rows.append(row)
                 continue

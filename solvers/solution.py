@@ -135,7 +135,7 @@ class InfeasibleBudgetError(ValueError):
         self.min_feasible_bytes = min_feasible_bytes
         """Smallest budget known to be feasible (None: none found)."""
         self.lower_bound_bytes = lower_bound_bytes
-        """No budget under this is feasible."""
+        """No budget under this is feasible (None: no such bound was proven)."""
         if not searched:
             smallest = "the smallest feasible budget was not searched for"
         elif min_feasible_bytes is None:
@@ -144,6 +144,9 @@ class InfeasibleBudgetError(ValueError):
             smallest = (f"the smallest feasible budget for {solver} lies between "
                         f"{lower_bound_bytes} and {min_feasible_bytes} bytes "
                         f"({min_feasible_bytes / GIB:.3f} GiB fits)")
+        elif lower_bound_bytes is None:
+            smallest = (f"the smallest feasible budget for {solver} was not proven; "
+                        f"{min_feasible_bytes} bytes ({min_feasible_bytes / GIB:.3f} GiB) fits")
         else:
             smallest = (f"the smallest feasible budget for {solver} is {min_feasible_bytes} "
                         f"bytes ({min_feasible_bytes / GIB:.3f} GiB)")

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
+import solvers
 from solvers import InfeasibleBudgetError, simulate, solve
 from solvers.heuristics import keep_layer_inputs
 from solvers.joint import build_joint
@@ -251,3 +252,23 @@ def test_a_chains_intermediates_are_freed_after_their_last_reader_in_the_recompu
     joint = build_joint(p, None, fixed_keep=keep, minimize_peak=True)
     result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
     assert joint.claimed_peak(result.x) == sim.peak_bytes
+
+
+@pytest.mark.parametrize("seed", [1, 2, 5, 6])
+def test_the_smallest_feasible_budget_is_the_one_solve_plans_at(seed):
+    """On these layers the bounded form of the chains' lifetimes holds more at its smallest
+    peak than the keep flags of some plan replay to; the smallest budget kiwi names (its
+    error's, :func:`solvers.min_peak_plan`'s) is the smallest replayed peak of any keep flags
+    (exhaustively), where ``solve`` plans, and no plan fits under it."""
+    p = _random_chain_problem(seed)
+    strategy = np.zeros(p.num_nodes, int)
+    smallest = min(simulate(p, strategy, keep).peak_bytes for _, keep in _keep_sets(p))
+    bounded = build_joint(p, None, minimize_peak=True, tie=p.ties)
+    solved = bounded.model.solve("highs", time_limit=10, mip_gap=1e-9)
+    assert bounded.claimed_peak(solved.x) > smallest
+    plan, lower = solvers.min_peak_plan(p, "kiwi")
+    assert lower == plan.budget_bytes == smallest
+    assert solve(p, smallest, solver="kiwi").peak_bytes <= smallest
+    with pytest.raises(InfeasibleBudgetError) as error:
+        solve(p, smallest - 1, solver="kiwi")
+    assert error.value.lower_bound_bytes == error.value.min_feasible_bytes == smallest
