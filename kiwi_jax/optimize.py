@@ -299,8 +299,8 @@ class OptimizedStep:
                 self._warn_over_budget(plan)
             if processes is not None and options.share_plan:
                 processes.publish_plan(plan.to_json())
-        log.info("%s: planned in %.1f s (%s), compiled in %.1f s", self.__name__, plan_seconds,
-                 "received" if receives else "cached" if cached else
+        log.info("%s: planned in %.1f s (%s), compiled (the budget searched) in %.1f s",
+                 self.__name__, plan_seconds, "received" if receives else "cached" if cached else
                  "no plan" if plan is None else plan.status, time.perf_counter() - start)
         return Prepared(traced, build, plan, applied, plan_seconds=plan_seconds,
                         compile_seconds=time.perf_counter() - start, cached=cached,
@@ -431,6 +431,9 @@ class OptimizedStep:
         def solve(solver_budget: int) -> Plan | None:
             if first is not None and solver_budget == budget:
                 return first
+            if first is None and solver_budget == start \
+                    and options.solver not in solvers.LYNX_SOLVERS:
+                return self._smallest(build, start)
             try:
                 return solve_plan(build, solver_budget, options.solver,
                                   search_min_feasible=False, **options.solver_options())
@@ -446,10 +449,10 @@ class OptimizedStep:
 
         floor = None if first is not None else infeasible.min_feasible_bytes \
             if infeasible.lower_bound_bytes is None else infeasible.lower_bound_bytes
+        start = None if first is not None else infeasible.min_feasible_bytes
         result = fit_budget(
             budget, solve, compile_, key=lambda plan: plan.fingerprint,
-            unlimited=lambda: self._unlimited(build, budget),
-            start=None if first is not None else infeasible.min_feasible_bytes, floor=floor,
+            unlimited=lambda: self._unlimited(build, budget), start=start, floor=floor,
             max_compiles=options.fit_compiles, step_tolerance=options.mip_gap)
         record = result.record
         if not record.fits and options.mesh.devices.size == 1:
@@ -535,6 +538,20 @@ class OptimizedStep:
         solution = solvers.solve(build.problem, None, solver=options.solver,
                                  **options.solver_options())
         return plan_from_solution(build, solution, budget)
+
+    def _smallest(self, build: ProblemBuild, budget: int) -> Plan | None:
+        """The plan the error of a budget under the model's smallest peak names as fitting
+        ``budget`` (:func:`solvers.min_peak_plan`, the answer that error was given, kept):
+        the budget search's first trial, as solving for it again under so tight a budget may
+        take the whole time limit (120 s, to a plan of the same peak, on the 2-layer reference
+        GPT on one device). None where its peak is over ``budget``."""
+        options = self.options
+        solution, _ = solvers.min_peak_plan(build.problem, options.solver, options.backend,
+                                            options.time_limit, options.reuse_layers)
+        if solution is None or solution.budget_bytes > budget:
+            return None
+        return plan_from_solution(build, dataclasses.replace(solution, budget_bytes=budget),
+                                  budget)
 
     def _key(self, traced: TracedStep, build: ProblemBuild) -> str:
         """What this step's plan depends on, hashed: the step's HLO, the mesh, the budget, the
