@@ -136,7 +136,10 @@ def budget_sweep(problem, reference, methods=SWEEP_METHODS, step: float = 0.05,
     for method in methods:
         lowest[method] = solvers.min_peak_plan(problem, method, time_limit=time_limit,
                                                reuse_layers=reuse_layers)
-        print(f"  {method}: no plan under {lowest[method][1]} B", file=sys.stderr, flush=True)
+        low = lowest[method][1]
+        print(f"  {method}: " + (f"no plan under {low} B" if low is not None else
+                                 "no bound on its smallest peak found in time"),
+              file=sys.stderr, flush=True)
     known = [low / reference.peak_bytes for _, low in lowest.values() if low is not None]
     budgets = {int(f * reference.peak_bytes): f
                for f in sweep_fractions(min(known) if known else 1.0, step)}

@@ -4,6 +4,7 @@ baseline rules."""
 
 import dataclasses
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -272,3 +273,22 @@ def test_the_smallest_feasible_budget_is_the_one_solve_plans_at(seed):
     with pytest.raises(InfeasibleBudgetError) as error:
         solve(p, smallest - 1, solver="kiwi")
     assert error.value.lower_bound_bytes == error.value.min_feasible_bytes == smallest
+
+
+def test_a_solve_that_finds_no_plan_in_time_answers_with_the_one_an_error_named(monkeypatch):
+    """At the budget an infeasible budget's error names (the exact form's smallest peak, under
+    the bounded form's), a solve whose backend finds no plan in time answers with the plan of
+    that peak (on the zoo's Llama, ViT and encoder-decoder on 2x4 the budgeted program found
+    none in 30 s there)."""
+    p = _random_chain_problem(1)
+    plan, _ = solvers.min_peak_plan(p, "kiwi")
+
+    def no_plan_in_time(*args, **kwargs):
+        raise solvers.SolverTimeoutError("no plan found in time")
+
+    monkeypatch.setattr(sys.modules["solvers.solve"], "_solve", no_plan_in_time)
+    answer = solve(p, plan.budget_bytes, solver="kiwi")
+    assert answer.status == solvers.Status.TIMEOUT_WITH_INCUMBENT
+    assert np.array_equal(answer.keep, plan.keep) and answer.peak_bytes <= plan.budget_bytes
+    with pytest.raises(solvers.SolverTimeoutError):      # a budget it does not fit
+        solve(p, plan.budget_bytes - 1, solver="kiwi")
