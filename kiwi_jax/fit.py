@@ -88,7 +88,8 @@ class FitStop(enum.Enum):
     :data:`NO_PLAN_RETRIES` looser solver budgets, or under every tighter solver budget left
     (the plans compiled over the budget)."""
     BLOCKS = "blocks"
-    """No plan of the search fit, and the whole-block recomputation did (set by the decorator
+    """No plan of the search fit, and the whole-block recomputation did, or the budget is under
+    the model's smallest peak and it fit with a faster compiled estimate (set by the decorator
     on one device, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps
     its input and recomputes the rest, compiled as its export (close to the step
     ``nothing_saveable`` gives)."""
@@ -163,7 +164,13 @@ class FitRecord:
         if self.chosen is None:
             return f"{spent}: no plan measured (stopped: {self.stop.value})"
         if self.stop == FitStop.BLOCKS:
-            return (f"{spent}: no plan of the search fit; whole-block recomputation compiled "
+            fitted = any(trial.compiled_peak_bytes is not None
+                         and trial.compiled_peak_bytes <= self.budget_bytes
+                         for trial in self.trials[:self.chosen])
+            searched = ("a plan of the search fit; the whole-block recomputation, estimated "
+                        "faster," if fitted else "no plan of the search fit; whole-block "
+                        "recomputation")
+            return (f"{spent}: {searched} compiled "
                     f"{self.compiled_peak_bytes:,} B = {self.ratio:.3f} of the "
                     f"{self.budget_bytes:,} B budget (stopped: {self.stop.value})")
         return (f"{spent}: compiled "

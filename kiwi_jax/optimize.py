@@ -324,8 +324,7 @@ class OptimizedStep:
         kiwi_bytes = kiwi_seconds = None
         if applied is not None:
             kiwi_bytes = applied.memory.peak_bytes
-            kiwi_seconds = compiled_cost(applied.compiled, options.mesh,
-                                         build.cluster).step_seconds
+            kiwi_seconds = self._estimate(applied, build)
         choice = choose(budget, kiwi_bytes, kiwi_seconds, rows, time.perf_counter() - start,
                         None if infeasible is None else str(infeasible))
         if applied is None and not choice.runs_recipe:
@@ -362,9 +361,7 @@ class OptimizedStep:
                             type(error).__name__, str(error).splitlines()[0] if str(error)
                             else "")
             return (*rows, RecipeRow(CHECKPOINTED, None, None, str(error))), steps
-        row = RecipeRow(CHECKPOINTED, compiled.memory.peak_bytes,
-                        compiled_cost(compiled.compiled, options.mesh,
-                                      build.cluster).step_seconds,
+        row = RecipeRow(CHECKPOINTED, compiled.memory.peak_bytes, self._estimate(compiled, build),
                         compile_seconds=time.perf_counter() - start)
         return (*rows, row), {**steps, CHECKPOINTED: compiled}
 
@@ -455,9 +452,11 @@ class OptimizedStep:
             unlimited=lambda: self._unlimited(build, budget), start=start, floor=floor,
             max_compiles=options.fit_compiles, step_tolerance=options.mip_gap)
         record = result.record
-        if not record.fits and options.mesh.devices.size == 1:
+        if options.mesh.devices.size == 1 and (not record.fits or infeasible is not None):
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied)
-            if whole is not None:
+            if whole is not None and (not record.fits or self._estimate(
+                    applied[whole.fingerprint], build) < self._estimate(
+                    applied[result.plan.fingerprint], build)):
                 return whole, applied[whole.fingerprint]
         if result.plan is None or (not record.fits and infeasible is not None):
             if not applied:                     # nothing compiled: the model's error stands
@@ -483,10 +482,18 @@ class OptimizedStep:
             solver_budget_bytes=None if solver_budget == budget else solver_budget)
         return plan, applied[result.plan.fingerprint]
 
+    def _estimate(self, applied: CompiledPlan, build: ProblemBuild) -> float:
+        """The compiled-cost estimate of a compiled step's time (:mod:`kiwi_jax.estimate`)."""
+        return compiled_cost(applied.compiled, self.options.mesh, build.cluster).step_seconds
+
     def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
                       applied: dict[str, CompiledPlan]) -> Plan | None:
-        """On one device, when no plan of the budget search fits: the planner's whole-block
-        recomputation (``alpa+full``: each layer keeps its input and recomputes the rest that
+        """On one device, when no plan of the budget search fits, or the budget is under the
+        model's smallest peak (there the search's plans are the model's least-memory ones,
+        which it ranks worst: on the 2-layer reference GPT at 19 MB with the per-operator
+        model, the smallest-peak plan compiles to 16.51 MB and an estimated 0.7468 ms, the
+        whole-block one to 17.90 MB and 0.7096 ms, the faster of the two runs): the planner's
+        whole-block recomputation (``alpa+full``: each layer keeps its input and recomputes the rest that
         eq. 9 and its chains allow), compiled as the decorator runs it, if it fits (None
         otherwise). Run as its export (each block under its layer's ``jax.checkpoint``) it is
         close to the step ``nothing_saveable`` gives, where the search's smallest plans were
