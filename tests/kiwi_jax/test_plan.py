@@ -52,10 +52,7 @@ def test_layer_ties_map_every_layer_onto_the_first(gpt3):
 
 
 def test_reuse_is_a_restriction_of_the_full_program(gpt3):
-    reference = solvers.reference_plan(gpt3)
-    # halfway from a budget a plan fits (the smallest peak found in 8 s) to the reference's
-    _, fits = solvers.min_feasible_budget(gpt3, "kiwi", reuse_layers=True, time_limit=8.0)
-    budget = (fits + reference.peak_bytes) // 2
+    budget = _tight_budget(gpt3)
     full = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=False)
     reused = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=True)
     assert reused.num_vars < full.num_vars
@@ -228,9 +225,10 @@ def test_the_tied_program_leaves_out_the_rows_of_inner_repeats_only(gpt6):
 
 
 def _tight_budget(problem):
+    """Halfway from a budget a plan fits (the smallest peak found in 8 s) to the reference's."""
     reference = solvers.reference_plan(problem)
-    low, _ = solvers.min_feasible_budget(problem, "kiwi", reuse_layers=True)
-    return (low + reference.peak_bytes) // 2
+    _, fits = solvers.min_feasible_budget(problem, "kiwi", reuse_layers=True, time_limit=8.0)
+    return (fits + reference.peak_bytes) // 2
 
 
 def test_left_out_rows_cost_nothing_and_the_plan_fits(gpt6, monkeypatch):
