@@ -493,9 +493,10 @@ class OptimizedStep:
         which it ranks worst: on the 2-layer reference GPT at 19 MB with the per-operator
         model, the smallest-peak plan compiles to 16.51 MB and an estimated 0.7468 ms, the
         whole-block one to 17.90 MB and 0.7096 ms, the faster of the two runs): the planner's
-        whole-block recomputation (``alpa+full``: each layer keeps its input and recomputes the rest that
-        eq. 9 and its chains allow), compiled as the decorator runs it, if it fits (None
-        otherwise). Run as its export (each block under its layer's ``jax.checkpoint``) it is
+        whole-block recomputation (``alpa+full``: each layer keeps its input and recomputes
+        the rest that eq. 9 and its chains allow), compiled as the decorator runs it, if it
+        fits (None otherwise). Run as its export (each block under its layer's
+        ``jax.checkpoint``) it is
         close to the step ``nothing_saveable`` gives, where the search's smallest plans were
         7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem charged
         with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
