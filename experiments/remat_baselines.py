@@ -10,6 +10,7 @@ keeps one: GPUs do, the CPU does not) and its step time (median over ``--steps``
   dots_saveable     every block under jax.checkpoint(policy=dots_saveable)
   nothing_saveable  every block under jax.checkpoint(policy=nothing_saveable)
   kiwi@F            kiwi_jax.optimize with memory_budget = F x the plain step's compiled memory
+  kiwi@POLICY       the same with memory_budget = POLICY's compiled memory (``--at-baselines``)
                     (its search of the solver's budget against the compiled step, at most
                     ``--fit-compiles`` compiles, is reported: ``fit_compiles_spent``,
                     ``fit_ratio`` = compiled / budget, and every trial under ``fit``)
@@ -21,8 +22,8 @@ peak is its own; the plans are cached under the work directory.
 
 Usage: python -m experiments.remat_baselines [--quick] [--layers 4 --hidden 256 ...]
        [--budgets 0.8 0.6] [--baselines dots_saveable] [--cluster h100]
-       [--memory-model operator] [--fit-compiles 6] [--matmul-precision highest]
-       [--name NAME] [--json]
+       [--at-baselines] [--memory-model operator] [--fit-compiles 6]
+       [--matmul-precision highest] [--name NAME] [--json]
 Writes results/<NAME>.json and .png (step time against memory, budgets as lines; NAME defaults
 to remat_baselines).
 """
@@ -147,7 +148,9 @@ def _child(variant: str, args, workdir: pathlib.Path, budget_bytes: int | None) 
     if done.returncode != 0:
         raise RuntimeError(f"variant {variant} failed (exit {done.returncode}); its output:\n"
                            f"{done.stdout[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    line = done.stdout.strip().splitlines()[-1]
+    print(f"[remat_baselines] {line}", file=sys.stderr, flush=True)    # kept if the study stops
+    return json.loads(line)
 
 
 def _forwarded(args) -> list[str]:
@@ -182,6 +185,8 @@ def study(args) -> dict:
         budgets = {f"{f:g}": int(f * plain["compiled_peak_bytes"]) for f in args.budgets}
         for name in args.baselines:
             rows[name] = _child(name, args, workdir, None)
+            if args.at_baselines:
+                budgets[name] = rows[name]["compiled_peak_bytes"]
         for fraction, budget in budgets.items():
             rows[f"kiwi@{fraction}"] = _child(f"kiwi@{fraction}", args, workdir, budget)
         for name, row in rows.items():
@@ -235,8 +240,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=128)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.8, 0.6],
+    parser.add_argument("--budgets", type=float, nargs="*", default=[0.8, 0.6],
                         help="kiwi budgets as fractions of the plain step's compiled memory")
+    parser.add_argument("--at-baselines", action="store_true",
+                        help="also plan kiwi at each remat policy's compiled memory")
     parser.add_argument("--baselines", nargs="*", default=list(BASELINES[1:]),
                         choices=BASELINES[1:], help="remat policies to measure")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
