@@ -10,10 +10,10 @@ keeps one: GPUs do, the CPU does not) and its step time (median over ``--steps``
   dots_saveable     every block under jax.checkpoint(policy=dots_saveable)
   nothing_saveable  every block under jax.checkpoint(policy=nothing_saveable)
   kiwi@F            kiwi_jax.optimize with memory_budget = F x the plain step's compiled memory
-  kiwi@POLICY       the same with memory_budget = POLICY's compiled memory (``--at-baselines``)
                     (its search of the solver's budget against the compiled step, at most
                     ``--fit-compiles`` compiles, is reported: ``fit_compiles_spent``,
                     ``fit_ratio`` = compiled / budget, and every trial under ``fit``)
+  kiwi@POLICY       the same with memory_budget = POLICY's compiled memory (``--at-baselines``)
 
 and, per budget, which variants fit it. Numerics: each variant's loss and train state after three
 steps from the same initial state, against the plain step's (``max_rel_diff``: per leaf, the norm
