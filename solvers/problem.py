@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 
 import numpy as np
@@ -131,6 +132,22 @@ class ShardingProblem:
     @property
     def num_nodes(self) -> int:
         return len(self.names)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A digest of everything the problem holds (what :meth:`save` writes): equal for two
+        problems built alike, as each trace of one step builds its own, so an answer kept for
+        one serves the other."""
+        digest = hashlib.sha256(repr((self.names, self.opcodes, self.strategy_names,
+                                      self.op_names, self.mesh_shape, self.peak_flops)).encode())
+        for array in (self.phase, self.layer, self.edges, self.z, self.live, self.fwd_last_use,
+                      self.first_bwd_use, self.is_output, self.flops, self.leader, self.uses,
+                      self.ties, self.carried, *self.compute, *self.comm, *self.memory,
+                      *self.follow, *self.resharding, *self.carried_resharding, *self.gathered):
+            array = np.ascontiguousarray(array)
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
 
     @property
     def num_devices(self) -> int:

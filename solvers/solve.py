@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 
 import numpy as np
 
@@ -480,7 +479,7 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
     which holds no more in it). The exact one is solved without the resharded operand copies,
     as :func:`_solve` first solves it under a budget: its bound is then one under which that
     solve finds no plan; its plan needs its peak with them (:func:`program_peak`)."""
-    key = (id(problem), solver, backend, reuse_layers, mip_gap, exact_from is not None)
+    key = (problem.digest, solver, backend, reuse_layers, mip_gap, exact_from is not None)
     known = _MIN_PEAK.get(key)
     if known is not None and (known[2] or known[3] >= time_limit):
         return known[:2]
@@ -494,7 +493,7 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
     bound = int(np.floor(result.bound * joint.units.bytes)) if np.isfinite(result.bound) \
         else None
     if result.x is None:
-        return _remembered(key, problem, time_limit, exact_from, bound and min(
+        return _remembered(key, time_limit, exact_from, bound and min(
             bound, exact_from.budget_bytes)) if exact else (None, None)
     strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
     claimed = optimum = joint.claimed_peak(result.x)
@@ -511,26 +510,34 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
     if exact and exact_from.budget_bytes <= needs:
         plan = exact_from
     if result.status != Status.OPTIMAL:
-        return _remembered(key, problem, time_limit, plan, bound and min(bound, plan.budget_bytes))
+        return _remembered(key, time_limit, plan, bound and min(bound, plan.budget_bytes))
     lower = min(optimum if exact else needs, plan.budget_bytes)
-    return _remembered(key, problem, time_limit, plan, lower, proven=True)
+    return _remembered(key, time_limit, plan, lower, proven=True)
 
 
-def _remembered(key, problem, time_limit, plan, lower, proven=False):
-    """``(plan, lower)``, kept in :data:`_MIN_PEAK` under ``key`` while ``problem`` lives."""
-    if key not in _MIN_PEAK:
-        weakref.finalize(problem, _MIN_PEAK.pop, key, None)
+def _remembered(key, time_limit, plan, lower, proven=False):
+    """``(plan, lower)``, kept in :data:`_MIN_PEAK` under ``key`` (the latest
+    :data:`MIN_PEAK_KEPT` answers)."""
+    _MIN_PEAK.pop(key, None)
     _MIN_PEAK[key] = plan, lower, proven, time_limit
+    while len(_MIN_PEAK) > MIN_PEAK_KEPT:
+        del _MIN_PEAK[next(iter(_MIN_PEAK))]
     return plan, lower
 
 
 _MIN_PEAK: dict[tuple, tuple[Solution, int | None, bool, float]] = {}
-""":func:`_min_peak`'s answers, by problem (while it lives) and program: ``(plan, lower,
-proven, time limit)``; an answer is given again when it was proven, or found with at least the
-time asked for. The search of a budget that fits once compiled (:mod:`kiwi_jax.fit`) solves one
-problem under several budgets, and each solve's warm start asked for the same plan again (15 s
-of each 40 s round on the 1-layer GPT on 2x4); the decorator starts that search from the plan
-an infeasible budget's error names."""
+""":func:`_min_peak`'s answers, by problem content (:attr:`ShardingProblem.digest`) and
+program: ``(plan, lower, proven, time limit)``; an answer is given again when it was proven,
+or found with at least the time asked for. The search of a budget that fits once compiled
+(:mod:`kiwi_jax.fit`) solves one problem under several budgets, and each solve's warm start
+asked for the same plan again (15 s of each 40 s round on the 1-layer GPT on 2x4); the
+decorator starts that search from the plan an infeasible budget's error names. By content,
+not by object: each ``optimize`` of a step traces it again and builds its own problem, and a
+second budget for the same step (a sweep, a user trying another) asked the same question again
+(14 s of the 1 MB error in test_optimize's budget-search test)."""
+
+MIN_PEAK_KEPT = 32
+"""Answers :data:`_MIN_PEAK` keeps (the latest; each holds one plan's arrays)."""
 
 
 def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) -> Solution | None:
@@ -540,7 +547,7 @@ def _fitting_plan(problem, solver, budget, backend, time_limit, reuse_layers) ->
     solve under a budget between the exact and the bounded form's smallest peaks found no plan
     in 30 s without it."""
     plan = min((known[0] for key, known in _MIN_PEAK.items()
-                if key[:4] == (id(problem), solver, backend, reuse_layers)
+                if key[:4] == (problem.digest, solver, backend, reuse_layers)
                 and known[0].budget_bytes <= budget),
                key=lambda known: known.budget_bytes, default=None)
     if plan is None:

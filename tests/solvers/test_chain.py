@@ -292,3 +292,21 @@ def test_a_solve_that_finds_no_plan_in_time_answers_with_the_one_an_error_named(
     assert np.array_equal(answer.keep, plan.keep) and answer.peak_bytes <= plan.budget_bytes
     with pytest.raises(solvers.SolverTimeoutError):      # a budget it does not fit
         solve(p, plan.budget_bytes - 1, solver="kiwi")
+
+
+def test_a_problem_built_again_gets_the_smallest_peak_found_for_the_first(monkeypatch):
+    """Each ``optimize`` of a step traces it and builds its own problem: the smallest-peak
+    answer found for one is given to another built alike without solving again, and not to a
+    problem that differs."""
+    first, again, other = (_random_chain_problem(seed) for seed in (2, 2, 3))
+    assert first is not again and first.digest == again.digest != other.digest
+    answer = solvers.min_peak_plan(first, "kiwi")
+    assert answer[0] is not None
+
+    def solved_again(*args, **kwargs):
+        raise AssertionError("solved again")
+
+    monkeypatch.setattr(sys.modules["solvers.solve"], "_formulation", solved_again)
+    assert solvers.min_peak_plan(again, "kiwi") == answer
+    with pytest.raises(AssertionError, match="solved again"):
+        solvers.min_peak_plan(other, "kiwi")
