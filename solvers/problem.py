@@ -157,7 +157,7 @@ class ShardingProblem:
     def num_strategies(self) -> np.ndarray:
         return np.array([len(c) for c in self.compute])
 
-    @property
+    @functools.cached_property
     def recomputable(self) -> np.ndarray:
         """bool per node: forward values that may be dropped after the forward pass and
         recomputed for the backward pass. KIWI's z_i, less the values a backward reader needs

@@ -128,7 +128,8 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
                          f"({', '.join(MILP_SOLVERS)}); solvers.solve takes every formulation")
     deadline = time.perf_counter() + time_limit
     settings = {"backend": backend, "mip_gap": options.mip_gap, "seed": options.seed,
-                "threads": options.threads, "reuse_layers": reuse_layers}
+                "threads": options.threads, "reuse_layers": reuse_layers,
+                "programs": _Programs(options.mip_gap)}
     staged = warm_start == "auto"
     first = _NO_PLAN
     if staged:
@@ -239,37 +240,82 @@ def _incumbent(warm_start: Solution, solver: str, final: Solution | None) -> Sol
         num_vars=final.num_vars, num_constraints=final.num_constraints)
 
 
+@dataclasses.dataclass
+class _Programs:
+    """What a solve of one problem under one budget leaves the next one (the direct solve the
+    final one, :func:`solve_milp`), so that it does not build or solve again what the first
+    already did: the programs built, by their arguments (the 96-layer GPT's takes 8 s on 2x4);
+    the form the first one ended in (the resharded operand copies counted, the chains'
+    lifetimes exact, memory rows put back); and per program the best bound proven on it."""
+
+    mip_gap: float
+    built: dict = dataclasses.field(default_factory=dict)
+    bounds: dict = dataclasses.field(default_factory=dict)
+    copies: bool = False
+    exact: bool = False
+    skip: np.ndarray | None = None
+
+    def bound(self, key: tuple, relaxation: tuple | None, result):
+        """``result`` with the best bound proven on its program, by any solve of it or of
+        ``relaxation`` (a program whose plans include its plans: the same one without the
+        resharded operand copies, under the same budget), kept for the next."""
+        known = [b for b in (result.bound, self.bounds.get(key), self.bounds.get(relaxation))
+                 if b is not None and np.isfinite(b)]
+        if not known:
+            return result
+        self.bounds[key] = bound = max(known)
+        if bound == result.bound:
+            return result
+        if result.status == Status.TIMEOUT_WITH_INCUMBENT and \
+                gap_to(result.objective, bound) <= self.mip_gap:
+            result = dataclasses.replace(result, status=Status.OPTIMAL)
+        return dataclasses.replace(result, bound=bound)
+
+
 def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
-           threads, reuse_layers) -> Solution | None:
+           threads, reuse_layers, programs: _Programs | None = None) -> Solution | None:
     """One solve, until ``deadline`` (``time.perf_counter()``; building the model counts, at
     least a second is left to the backend): of the program without the resharded operand copies
     first, of the one with them when its plan is over the budget with them or, without a warm
     start, when it has no plan in :data:`RELAXED_SHARE` of the time. None: the budget is
-    infeasible."""
+    infeasible. ``programs``: what an earlier solve of the same problem under the same budget
+    learnt; it starts from there and adds to it."""
+    programs = _Programs(mip_gap) if programs is None else programs
     limit = budget_bytes
     skip = None if budget_bytes is None else _skipped_times(problem, solver, reuse_layers)
-    copies = False           # counted once a plan is over the budget with them (build_joint)
+    if programs.skip is not None:
+        skip = programs.skip
+    copies = programs.copies  # counted once a plan is over the budget with them (build_joint)
     tightened = False        # the program without them solved again under less memory
     relaxed = deadline       # until when the program without them is solved
     if warm_start is None and budget_bytes is not None \
             and any(matrix.any() for matrix in problem.gathered):
         relaxed -= (1 - RELAXED_SHARE) * max(deadline - time.perf_counter(), 0.0)
     attempts = 0
-    exact = False            # chains' lifetimes bounded from above until that is infeasible
+    exact = programs.exact   # chains' lifetimes bounded from above until that is infeasible
     while attempts < 3:
-        joint, fixed = _formulation(problem, solver, limit, False, reuse_layers, skip, copies,
-                                    exact)
+        programs.copies, programs.exact, programs.skip = copies, exact, skip
+        skipped = None if skip is None else skip.tobytes()
+        key = (solver, limit, reuse_layers, skipped, copies, exact)
+        again = key in programs.built
+        joint, fixed = programs.built[key] if again else _formulation(
+            problem, solver, limit, False, reuse_layers, skip, copies, exact)
+        programs.built[key] = joint, fixed
         time_limit = max((deadline if copies else relaxed) - time.perf_counter(), 1.0)
-        log.info("%s: %d variables, %d constraints, built in %.2f s", solver,
-                 joint.model.num_vars, joint.model.num_rows, joint.build_seconds)
+        log.info("%s: %d variables, %d constraints, %s in %.2f s", solver,
+                 joint.model.num_vars, joint.model.num_rows,
+                 "built before" if again else "built", joint.build_seconds)
         hint = None
         if warm_start is not None and isinstance(joint, FullModel):
             hint = joint.hint(problem, warm_start.strategy, recompute_at=warm_start.recompute_at)
         elif warm_start is not None:
             hint = joint.hint(problem, warm_start.strategy,
                               warm_start.keep if fixed is None else None)
-        result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, seed=seed,
-                                   threads=threads, hint=hint)
+        result = programs.bound(key, (solver, budget_bytes, reuse_layers, skipped, False, exact)
+                                if copies else None,
+                                joint.model.solve(backend, time_limit=time_limit,
+                                                  mip_gap=mip_gap, seed=seed, threads=threads,
+                                                  hint=hint))
         under_less = tightened and not copies      # a restriction: no plan there proves none
         if result.status == Status.INFEASIBLE and not under_less and solver == "kiwi" \
                 and not exact:
@@ -340,7 +386,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         solver=solver, backend=backend, status=status,
         objective=float(result.objective) * joint.units.seconds,
         gap=0.0 if status == Status.OPTIMAL else float(result.gap),
-        solve_seconds=result.seconds, build_seconds=joint.build_seconds,
+        solve_seconds=result.seconds, build_seconds=0.0 if again else joint.build_seconds,
         num_vars=joint.model.num_vars, num_constraints=joint.model.num_rows,
         budget_bytes=budget_bytes, strategy=strategy, keep=keep, recompute_at=schedule,
         peak_bytes=peak, claimed_peak_bytes=joint.claimed_peak(result.x))

@@ -17,6 +17,8 @@ from solvers.linexpr import const
 from solvers.phase import Phase
 from solver_graphs import chain_problem, layered_problem, make_problem, random_problem
 
+SOLVE_MODULE = sys.modules["solvers.solve"]     # solvers.solve is the function
+
 
 def check_claims(problem, solution, budget=None):
     """The simulator's verdict equals what the solver claims."""
@@ -505,3 +507,24 @@ def test_a_program_with_nothing_to_decide_is_solved_by_its_constants():
     assert result.x.shape == (0,)
     model.add_row(const(3.0), hi=1.0)          # 3 <= 1: not met
     assert model.solve("highs").status == Status.INFEASIBLE
+
+
+def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies():
+    """The direct solve's bound on the program without the resharded operand copies carries to
+    the final solve of the program with them (a plan of one is a plan of the other), and a plan
+    within the gap of it is optimal."""
+    programs = SOLVE_MODULE._Programs(mip_gap=1e-3)
+    relaxed, counted = ("kiwi", 100, True, None, False, False), ("kiwi", 100, True, None, True,
+                                                                 False)
+    x = np.zeros(1)
+    assert programs.bound(relaxed, None, MilpResult(Status.OPTIMAL, x, 10.0, 9.995, 1.0)).bound \
+        == 9.995
+    late = programs.bound(counted, relaxed,
+                          MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.004, 9.9, 1.0))
+    assert late.bound == 9.995 and late.status == Status.OPTIMAL
+    far = programs.bound(counted, relaxed,
+                         MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.5, float("nan"), 1.0))
+    assert far.bound == 9.995 and far.status == Status.TIMEOUT_WITH_INCUMBENT
+    unrelated = programs.bound(("alpa", 100, True, None, True, False), None,
+                               MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.0, 9.0, 1.0))
+    assert unrelated.bound == 9.0
