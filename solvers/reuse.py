@@ -13,12 +13,11 @@ Counterparts are found in two passes:
    the first encoder layer, a decoder's the first decoder layer). Operators without such a
    counterpart (a misplaced boundary) are not tied.
 2. Inputs outside layers (optimizer state: ``mu['blocks'][3]``) are tied to the first input of
-   the same name up to digits (and the same strategies, costs and memory).
+   the same name up to digits.
 3. Everything else (the optimizer's per-parameter updates carry no layer scope), in topological
    order: an operator is tied to an earlier one with the same opcode and strategy count whose
    operands are, slot by slot, the counterparts of its own (hash-consing modulo ties; constants
-   and their broadcasts, which have no operands to compare, tie by shape). One such key may
-   hold several roots, one per shape (``_Roots``).
+   and their broadcasts, which have no operands to compare, tie by shape).
 A tie is kept only when both operators have the same strategies, costs and memory.
 
 References:
@@ -49,26 +48,6 @@ def _same(problem: ShardingProblem, i: int, j: int) -> bool:
     return (problem.strategy_names[i] == problem.strategy_names[j]
             and np.allclose(problem.node_cost(i), problem.node_cost(j), rtol=1e-9, atol=0)
             and np.array_equal(problem.memory[i], problem.memory[j]))
-
-
-class _Roots:
-    """The operators others are tied to, by key: a key may have several, one per set of
-    strategies, costs and memory (the bias corrections Adam applies to an up- and a
-    down-projection's moments read the same scalar and differ only in shape)."""
-
-    def __init__(self, problem: ShardingProblem):
-        self.problem = problem
-        self.roots: dict[tuple, list[int]] = {}
-
-    def twin(self, key: tuple, i: int) -> int:
-        """The root of ``key`` that ``i`` is the same as (:func:`_same`); else ``i``, which
-        becomes one."""
-        roots = self.roots.setdefault(key, [])
-        for root in roots:
-            if _same(self.problem, i, root):
-                return root
-        roots.append(i)
-        return i
 
 
 def _structural_labels(problem: ShardingProblem, key, rounds: int) -> list[dict[int, int]]:
@@ -178,20 +157,27 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
 
     _pair_layers(problem, _structural_labels(problem, key, rounds=3), reference, tie)
 
-    roots = _Roots(problem)                  # inputs outside layers (optimizer state)
+    first_of: dict[tuple, int] = {}          # inputs outside layers (optimizer state)
     for i in np.flatnonzero((problem.layer < 0) & (problem.phase == Phase.PARAM)):
-        tie[i] = roots.twin(key(i), int(i))
+        twin = first_of.setdefault(key(i), int(i))
+        if twin != i and _same(problem, int(i), twin):
+            tie[i] = twin
 
     targets = set(tie[tie != np.arange(n)].tolist())       # stay roots: no chains of ties
     operands: dict[int, list[tuple[int, int]]] = {}
     for src, dst, slot in problem.edges:
         operands.setdefault(int(dst), []).append((int(slot), int(src)))
-    roots = _Roots(problem)
+    seen: dict[tuple, int] = {}
     for i in range(n):
+        ins = tuple(int(tie[src]) for _, src in sorted(operands.get(i, [])))
+        signature = (problem.opcodes[i], int(k[i]), int(problem.phase[i]), ins)
         if tie[i] != i or i in targets:
             continue
-        ins = tuple(int(tie[src]) for _, src in sorted(operands.get(i, [])))
-        tie[i] = roots.twin((problem.opcodes[i], int(k[i]), int(problem.phase[i]), ins), i)
+        twin = seen.get(signature)
+        if twin is not None and _same(problem, i, twin):
+            tie[i] = twin
+        else:
+            seen.setdefault(signature, i)
     assert (tie[tie] == tie).all()
     return tie
 

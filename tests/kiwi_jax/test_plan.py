@@ -217,18 +217,6 @@ def gpt6():
     return _problem("gpt", "1x2", **{**SMALL_GPT, "layers": 6})
 
 
-def test_the_decisions_left_once_layers_are_tied_do_not_grow_with_depth(gpt3, gpt6):
-    """Every operator a layer adds is tied, the optimizer's too: Adam's bias corrections of an
-    up- and a down-projection's moments read one scalar and differ in shape only, and each
-    layer's were tied to a root of their own shape (on the 96-layer GPT, 3,445 untied
-    operators where 803 are left now; its program 63,720 variables, now 41,549)."""
-    def untied(problem):
-        tie = solvers.layer_ties(problem)
-        return int(((tie == np.arange(problem.num_nodes)) & (problem.num_strategies > 1)).sum())
-
-    assert untied(gpt6) == untied(gpt3)
-
-
 def test_the_tied_program_leaves_out_the_rows_of_inner_repeats_only(gpt6):
     inner = solvers.reuse.inner_repeats(gpt6, gpt6.ties)
     assert set(np.unique(gpt6.layer[inner]).tolist()) == {2, 3}
