@@ -511,8 +511,8 @@ def test_a_program_with_nothing_to_decide_is_solved_by_its_constants():
 
 def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies():
     """The direct solve's bound on the program without the resharded operand copies carries to
-    the final solve of the program with them (a plan of one is a plan of the other), and a plan
-    within the gap of it is optimal."""
+    the final solve of the program with them (each plan of that one is a plan of the first),
+    and a plan within the gap of it is optimal."""
     programs = SOLVE_MODULE._Programs(mip_gap=1e-3)
     relaxed, counted = ("kiwi", 100, True, None, False, False), ("kiwi", 100, True, None, True,
                                                                  False)
