@@ -129,7 +129,7 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
     deadline = time.perf_counter() + time_limit
     settings = {"backend": backend, "mip_gap": options.mip_gap, "seed": options.seed,
                 "threads": options.threads, "reuse_layers": reuse_layers,
-                "programs": _Programs(options.mip_gap)}
+                "programs": _Programs()}
     staged = warm_start == "auto"
     first = _NO_PLAN
     if staged:
@@ -248,17 +248,17 @@ class _Programs:
     the form the first one ended in (the resharded operand copies counted, the chains'
     lifetimes exact, memory rows put back); and per program the best bound proven on it."""
 
-    mip_gap: float
     built: dict = dataclasses.field(default_factory=dict)
     bounds: dict = dataclasses.field(default_factory=dict)
     copies: bool = False
     exact: bool = False
     skip: np.ndarray | None = None
 
-    def bound(self, key: tuple, relaxation: tuple | None, result):
+    def bound(self, key: tuple, relaxation: tuple | None, result, mip_gap: float):
         """``result`` with the best bound proven on its program, by any solve of it or of
         ``relaxation`` (a program whose plans include its plans: the same one without the
-        resharded operand copies, under the same budget), kept for the next."""
+        resharded operand copies, under the same budget), kept for the next; optimal when that
+        bound puts its plan within ``mip_gap``."""
         known = [b for b in (result.bound, self.bounds.get(key), self.bounds.get(relaxation))
                  if b is not None and np.isfinite(b)]
         if not known:
@@ -267,7 +267,7 @@ class _Programs:
         if bound == result.bound:
             return result
         if result.status == Status.TIMEOUT_WITH_INCUMBENT and \
-                gap_to(result.objective, bound) <= self.mip_gap:
+                gap_to(result.objective, bound) <= mip_gap:
             result = dataclasses.replace(result, status=Status.OPTIMAL)
         return dataclasses.replace(result, bound=bound)
 
@@ -280,11 +280,11 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     start, when it has no plan in :data:`RELAXED_SHARE` of the time. None: the budget is
     infeasible. ``programs``: what an earlier solve of the same problem under the same budget
     learnt; it starts from there and adds to it."""
-    programs = _Programs(mip_gap) if programs is None else programs
+    programs = _Programs() if programs is None else programs
     limit = budget_bytes
-    skip = None if budget_bytes is None else _skipped_times(problem, solver, reuse_layers)
-    if programs.skip is not None:
-        skip = programs.skip
+    skip = programs.skip
+    if skip is None and budget_bytes is not None:
+        skip = _skipped_times(problem, solver, reuse_layers)
     copies = programs.copies  # counted once a plan is over the budget with them (build_joint)
     tightened = False        # the program without them solved again under less memory
     relaxed = deadline       # until when the program without them is solved
@@ -315,7 +315,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
                                 if copies else None,
                                 joint.model.solve(backend, time_limit=time_limit,
                                                   mip_gap=mip_gap, seed=seed, threads=threads,
-                                                  hint=hint))
+                                                  hint=hint), mip_gap)
         under_less = tightened and not copies      # a restriction: no plan there proves none
         if result.status == Status.INFEASIBLE and not under_less and solver == "kiwi" \
                 and not exact:

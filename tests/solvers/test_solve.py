@@ -513,18 +513,20 @@ def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies(
     """The direct solve's bound on the program without the resharded operand copies carries to
     the final solve of the program with them (each plan of that one is a plan of the first),
     and a plan within the gap of it is optimal."""
-    programs = SOLVE_MODULE._Programs(mip_gap=1e-3)
+    programs = SOLVE_MODULE._Programs()
     relaxed, counted = ("kiwi", 100, True, None, False, False), ("kiwi", 100, True, None, True,
                                                                  False)
     x = np.zeros(1)
-    assert programs.bound(relaxed, None, MilpResult(Status.OPTIMAL, x, 10.0, 9.995, 1.0)).bound \
-        == 9.995
+    first = programs.bound(relaxed, None, MilpResult(Status.OPTIMAL, x, 10.0, 9.995, 1.0), 1e-3)
+    assert first.bound == 9.995
     late = programs.bound(counted, relaxed,
-                          MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.004, 9.9, 1.0))
+                          MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.004, 9.9, 1.0), 1e-3)
     assert late.bound == 9.995 and late.status == Status.OPTIMAL
     far = programs.bound(counted, relaxed,
-                         MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.5, float("nan"), 1.0))
+                         MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.5, float("nan"), 1.0),
+                         1e-3)
     assert far.bound == 9.995 and far.status == Status.TIMEOUT_WITH_INCUMBENT
     unrelated = programs.bound(("alpa", 100, True, None, True, False), None,
-                               MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.0, 9.0, 1.0))
+                               MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.0, 9.0, 1.0),
+                               1e-3)
     assert unrelated.bound == 9.0
