@@ -1,18 +1,12 @@
-"""The small concrete models of the multi-process test: the reference GPT and the user-style
-NNX Llama of the zoo (``experiments.zoo.llama``), each a factory of ``(train_step, concrete args)`` that gives
-the same values in every process (fixed seeds)."""
+"""The small concrete models of the multi-process tests: the user-style NNX Llama of the zoo
+(``experiments.zoo.llama``) and the reference MLP, each a factory of ``(train_step, concrete
+args)`` that gives the same values in every process (fixed seeds)."""
 
 from experiments.zoo import llama as zoo_llama
 from kiwi_jax.models import build
 
-GPT = dict(layers=2, hidden=32, heads=2, seq=16, batch=8, vocab=64)
 LLAMA = dict(layers=2, vocab=64, batch=8, seq=16)
 MLP = dict(layers=2, width=32, in_dim=16, out_dim=16, batch=16)
-
-
-def gpt():
-    ref = build("gpt", **GPT)
-    return ref.train_step, (*ref.init(0), ref.batch(0))
 
 
 def llama():
@@ -24,4 +18,4 @@ def mlp():
     return ref.train_step, (*ref.init(0), ref.batch(0))
 
 
-MODELS = {"gpt": gpt, "llama": llama, "mlp": mlp}
+MODELS = {"llama": llama, "mlp": mlp}

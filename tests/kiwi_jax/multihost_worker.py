@@ -3,7 +3,7 @@
     python tests/kiwi_jax/multihost_worker.py '<json config>'
 
 The config names ``process_id``, ``num_processes``, ``port``, ``local_devices``, ``models``
-(``gpt``, ``llama`` or ``mlp``), ``steps``, ``cache_dir``, ``time_limit``, ``budget`` and
+(``llama`` or ``mlp``), ``steps``, ``cache_dir``, ``time_limit``, ``budget`` and
 ``out`` (a JSON file this process writes); optionally ``options`` (more keywords of
 ``kiwi_jax.optimize``) and ``per_process`` (``{process id: keywords}`` for one process only). Every process builds the same model from the same seed, joins
 the global mesh through ``jax.distributed`` (CPU collectives through gloo), runs the optimized

@@ -174,38 +174,38 @@ def _run_processes(tmp_path, timeout, **config) -> list[dict]:
 
 def test_two_processes_run_one_plan_like_one_process_on_eight_devices(tmp_path, mesh24):
     start = time.perf_counter()
-    # the sharding-only solver: no plan of these models comes near this budget (kiwi's compile
-    # to 0.19-0.22 of it), and it solves the two in 4 s where kiwi took 20 s; what travels is
-    # a plan all the same
+    # the sharding-only solver: no plan of the reference GPT or this Llama comes near this
+    # budget (kiwi's compile to 0.19-0.22 of it), and it solved the two in 4 s where kiwi took
+    # 20 s; what travels is a plan all the same. One model, the user-style one: with the GPT
+    # too, the test took 69 s of the suite.
     solver = {"solver": "alpa", "recipes": False}
     cache, options = tmp_path / "cache", dict(memory_budget=BUDGET, cluster="v100-nvlink",
                                               time_limit=TIME_LIMIT, mip_gap=1e-2,
                                               **solver)     # the processes' plan
-    outputs = _run_processes(tmp_path, timeout=TIMEOUT, models=["gpt", "llama"], steps=3,
+    outputs = _run_processes(tmp_path, timeout=TIMEOUT, models=["llama"], steps=3,
                              cache_dir=str(cache), time_limit=TIME_LIMIT, budget=BUDGET,
                              options=solver)
     figures = {"processes_wall_seconds": time.perf_counter() - start,
                "process_seconds": [o["total_seconds"] for o in outputs]}
     assert [o["process_id"] for o in outputs] == [0, 1]
     assert all(o["devices"] == 8 and o["local_devices"] == 4 for o in outputs)
-    for name in ("gpt", "llama"):
-        first, second = (o["models"][name] for o in outputs)
-        assert first["fingerprint"] == second["fingerprint"]
-        assert not first["received"] and second["received"]
-        # one process on this process's 8 devices, with the plan process 0 cached
-        train_step, args = MODELS[name]()
-        step = kiwi_jax.optimize(train_step, mesh=mesh24, cache_dir=str(cache), **options)
-        losses = [float(step(*args)) for _ in range(3)]
-        assert step.prepared.cached and step.plan.fingerprint == first["fingerprint"]
-        state = kiwi_jax.step.functionalize(train_step, args).args[0]
-        single = [np.asarray(x) for x in jax.tree.leaves(state)]
-        for process_id, output in enumerate((first, second)):
-            loss_diff = max_rel_diff(np.array(output["losses"]), np.array(losses))
-            state_diff = max_rel_diff([np.array(x) for x in output["state"]], single)
-            figures[f"{name}/{process_id}"] = {
-                "loss_rel_diff": loss_diff, "state_rel_diff": state_diff,
-                **{k: output[k] for k in ("plan_seconds", "compile_seconds", "step_seconds")}}
-            assert loss_diff <= 1e-5 and state_diff <= 1e-5, figures
+    first, second = (o["models"]["llama"] for o in outputs)
+    assert first["fingerprint"] == second["fingerprint"]
+    assert not first["received"] and second["received"]
+    # one process on this process's 8 devices, with the plan process 0 cached
+    train_step, args = MODELS["llama"]()
+    step = kiwi_jax.optimize(train_step, mesh=mesh24, cache_dir=str(cache), **options)
+    losses = [float(step(*args)) for _ in range(3)]
+    assert step.prepared.cached and step.plan.fingerprint == first["fingerprint"]
+    state = kiwi_jax.step.functionalize(train_step, args).args[0]
+    single = [np.asarray(x) for x in jax.tree.leaves(state)]
+    for process_id, output in enumerate((first, second)):
+        loss_diff = max_rel_diff(np.array(output["losses"]), np.array(losses))
+        state_diff = max_rel_diff([np.array(x) for x in output["state"]], single)
+        figures[f"llama/{process_id}"] = {
+            "loss_rel_diff": loss_diff, "state_rel_diff": state_diff,
+            **{k: output[k] for k in ("plan_seconds", "compile_seconds", "step_seconds")}}
+        assert loss_diff <= 1e-5 and state_diff <= 1e-5, figures
     figures["test_seconds"] = time.perf_counter() - start
     log.info("two processes vs one: %s", json.dumps(figures))
 

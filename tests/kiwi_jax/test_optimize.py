@@ -53,9 +53,12 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     return step, (*ref.init(0), ref.batch(0))
 
 
+# The encoder on 2x4 only: it is the GPT's layer without the causal mask, and the GPT covers
+# the meshes (the encoder's 1x8 and 4x2 cases took 55 s of the suite).
 @pytest.mark.parametrize("name,shape", [
     pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
-    for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
+    for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]
+    if name != "bert" or shape == (2, 4)])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
     # The budget search runs on the MLP on 2x4; elsewhere the solved plan runs as compiled: its
     # numerics and collectives are what is tested there. On the 1-layer GPT and encoder the
@@ -400,11 +403,12 @@ def test_custom_optax_chain_in_a_user_step(mesh_factory):
     assert report.max_param_rel_diff <= 1e-5 and report.max_loss_rel_diff <= 1e-5
 
 
-def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh24):
+def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh_factory):
     """Full recomputation keeps only what crosses a layer boundary: dropped values are
     recomputed from other dropped values of their layer, as jax.checkpoint around a block
-    does, and the step computes what the plain step computes."""
-    step, args = _step("gpt", mesh24, budget="100%", solver="alpa+full")
+    does, and the step computes what the plain step computes (on 1x8: 45 s on 2x4 in the
+    suite)."""
+    step, args = _step("gpt", mesh_factory((1, 8)), budget="100%", solver="alpa+full")
     report = step.verify(*args, steps=2)
     problem, plan = step.prepared.build.problem, step.plan
     operands = problem.operands()
