@@ -4,7 +4,7 @@ reference layer, so the program takes one decision for both.
 Tying is a restriction of the search space: every tied plan is a plan of the full program, its
 memory is still checked over the whole step, and the tests measure what it costs in step time.
 
-Counterparts are found in two passes:
+Counterparts are found in three passes:
 1. Operators inside layers (``layer >= 0``): operators with the same phase, opcode, strategy
    count, name (digits removed: ``blocks[3]`` ~ ``blocks[0]``, equation tags ``k17`` ~ ``k5``)
    and memory, whose operands and readers in the layer are alike in the same way (structural
@@ -14,10 +14,11 @@ Counterparts are found in two passes:
    counterpart (a misplaced boundary) are not tied.
 2. Inputs outside layers (optimizer state: ``mu['blocks'][3]``) are tied to the first input of
    the same name up to digits.
-3. Everything else (the optimizer's per-parameter updates carry no layer scope), in topological
-   order: an operator is tied to an earlier one with the same opcode and strategy count whose
-   operands are, slot by slot, the counterparts of its own (hash-consing modulo ties; constants
-   and their broadcasts, which have no operands to compare, tie by shape).
+3. Everything else (the optimizer's per-parameter updates carry no layer scope): an operator
+   is tied to the first one with the same opcode, strategy count, phase and memory whose
+   operands and readers are, slot by slot, alike in the same way, the operators of passes 1
+   and 2 standing for their roots (:func:`_outside_labels`). Readers tell apart what operands
+   cannot: the bias corrections Adam broadcasts from one scalar to each parameter's shape.
 A tie is kept only when both operators have the same strategies, costs and memory.
 
 References:
@@ -135,6 +136,63 @@ def _pair_layers(problem: ShardingProblem, labels, reference: int, tie: np.ndarr
                      "they are not tied", current, len(left), len(nodes), references[current])
 
 
+def _outside_labels(problem: ShardingProblem, tie: np.ndarray) -> np.ndarray:
+    """Per node, a label equal for structural counterparts among the operators that passes 1
+    and 2 leave alone (outside layers, not inputs: the optimizer's updates, the constants and
+    their broadcasts). The others are labelled by their tie's root, so q's kernel and k's are
+    different and layer 3's q kernel is layer 0's. The rest start from opcode, strategy count,
+    phase and memory and are refined, round by round, by the labels of their operands (by
+    slot) and of their readers (with the slot they read at) until no class splits
+    (Weisfeiler-Lehman). With the readers, the bias correction Adam broadcasts to a kernel's
+    shape is told from the one it broadcasts to another kernel of that shape, and tied to the
+    one of the same kernel in the reference layer, whatever its shape. An operator of a layer
+    that pass 1 found no counterpart for is one of the rest."""
+    n = problem.num_nodes
+    untied = tie == np.arange(n)
+    untied[tie[~untied]] = False                # the roots of ties are not free
+    free = np.flatnonzero(untied & (problem.phase != Phase.PARAM))
+    operands: dict[int, list[tuple[int, int]]] = {}
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for src, dst, slot in problem.edges.tolist():
+        operands.setdefault(dst, []).append((slot, src))
+        readers.setdefault(src, []).append((dst, slot))
+    inputs = {i: [o for _, o in sorted(operands.get(i, []))] for i in free.tolist()}
+    label = tie.tolist()                # fixed nodes: their root; the free ones: n + class
+    table: dict = {}
+    strategies = problem.num_strategies
+    for i in inputs:
+        label[i] = n + table.setdefault((problem.opcodes[i], int(strategies[i]),
+                                         int(problem.phase[i]),
+                                         tuple(problem.memory[i].tolist())), len(table))
+    classes = len(table)
+    while True:
+        table, refined = {}, list(label)
+        for i, ins in inputs.items():
+            refined[i] = n + table.setdefault((
+                label[i], tuple(label[o] for o in ins),
+                tuple(sorted((label[r], slot) for r, slot in readers.get(i, [])))), len(table))
+        label = refined
+        if len(table) == classes:
+            return np.array(label)
+        classes = len(table)
+
+
+def _tie_alike(problem: ShardingProblem, tie: np.ndarray, label: np.ndarray) -> None:
+    """Tie each operator left untied to the first of its label (:func:`_outside_labels`) that
+    has the same strategies, costs and memory; the roots of earlier ties stay roots."""
+    targets = set(tie[tie != np.arange(len(tie))].tolist())      # no chains of ties
+    roots: dict[int, list[int]] = {}
+    for i in range(len(tie)):
+        if tie[i] != i or i in targets:
+            continue
+        alike = roots.setdefault(int(label[i]), [])
+        twin = next((j for j in alike if _same(problem, i, j)), None)
+        if twin is None:
+            alike.append(i)
+        else:
+            tie[i] = twin
+
+
 def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.ndarray:
     """Per node, the node whose decisions it copies (itself when untied).
 
@@ -163,21 +221,7 @@ def layer_ties(problem: ShardingProblem, reference: int | None = None) -> np.nda
         if twin != i and _same(problem, int(i), twin):
             tie[i] = twin
 
-    targets = set(tie[tie != np.arange(n)].tolist())       # stay roots: no chains of ties
-    operands: dict[int, list[tuple[int, int]]] = {}
-    for src, dst, slot in problem.edges:
-        operands.setdefault(int(dst), []).append((int(slot), int(src)))
-    seen: dict[tuple, int] = {}
-    for i in range(n):
-        ins = tuple(int(tie[src]) for _, src in sorted(operands.get(i, [])))
-        signature = (problem.opcodes[i], int(k[i]), int(problem.phase[i]), ins)
-        if tie[i] != i or i in targets:
-            continue
-        twin = seen.get(signature)
-        if twin is not None and _same(problem, i, twin):
-            tie[i] = twin
-        else:
-            seen.setdefault(signature, i)
+    _tie_alike(problem, tie, _outside_labels(problem, tie))
     assert (tie[tie] == tie).all()
     return tie
 

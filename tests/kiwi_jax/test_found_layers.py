@@ -20,6 +20,8 @@ from solvers.heuristics import attention_core, keep_megatron
 from solvers.joint import build_joint
 from user_models import CompactNet, linen
 
+_DIGITS = re.compile(r"\d+")
+
 MODELS = {
     "nnx-llama": (lambda layers: llama(layers=layers), r"\['layers'\]\[(\d+)\]"),
     "linen-setup-list": (lambda layers: linen(n_layers=layers), r"layers_(\d+)"),
@@ -115,7 +117,13 @@ def test_layer_ties_cover_the_repeated_layer(linen2):
     tied = second[tie[second] != second]
     assert len(tied) / len(second) > 0.9
     assert (problem.layer[tie[tied]] == 0).all()
-    assert (tie != np.arange(len(tie))).mean() > 0.4
+    # an input is tied only to the same input of another layer: not Adam's moments of a weight
+    # to the weight, nor the optimizer's count to the step, as they were by shape (46% of the
+    # operators were tied then, 30% now, with the layers' all still tied)
+    names = [_DIGITS.sub("#", name) for name in problem.op_names or problem.names]
+    inputs = np.flatnonzero((problem.phase == Phase.PARAM) & (tie != np.arange(len(tie))))
+    assert len(inputs) and all(names[i] == names[tie[i]] for i in inputs)
+    assert (tie != np.arange(len(tie))).mean() > 0.3
 
 
 def test_the_tied_program_is_smaller_and_solves(linen2):

@@ -1,9 +1,11 @@
 """Layer ties: counterparts by structure, never by position alone."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from solvers.reuse import layer_ties
+from solvers.reuse import layer_ties, with_layer_ties
 from solvers.phase import Phase
 from solvers.synthetic import make_problem
 
@@ -77,3 +79,41 @@ def test_each_stack_of_layers_ties_to_its_own_first_layer():
         twin = int(tie[i])
         assert kinds[twin] == kinds[i]
         assert problem.layer[twin] == {0: 0, 1: 0, 2: 2, 3: 2}[int(problem.layer[i])], i
+
+
+def test_updates_outside_layers_tie_to_the_same_parameters_not_to_its_shape():
+    """Adam's bias correction: one scalar broadcast to each parameter's shape, outside layer
+    scope. Layer 1's broadcast for a parameter ties to layer 0's for the same parameter, the
+    first shape's or not, and two parameters of one shape keep their own."""
+    shapes = {"a": [100, 50], "b": [100, 50], "c": [40, 20]}        # b is a's shape, c not
+    names, phases, edges, memory, opcodes, layer = [], [], [], [], [], []
+
+    def node(name, phase, op, bytes_, at=-1, reads=()):
+        names.append(name)
+        phases.append(phase)
+        memory.append(bytes_)
+        opcodes.append(op)
+        layer.append(at)
+        edges.extend((src, len(names) - 1) for src in reads)
+        return len(names) - 1
+
+    count = node("count", Phase.PARAM, "parameter", [4, 4])
+    scalar = node("correction", Phase.OPTIMIZER, "power", [4, 4], reads=[count])
+    roles = {}
+    for at in (0, 1):
+        for p, shape in shapes.items():
+            weight = node(f"blocks/{at}/{p}", Phase.PARAM, "parameter", shape)
+            out = node(f"blocks/{at}/{p}/use", Phase.FORWARD, "tanh", shape, at, [weight])
+            grad = node(f"blocks/{at}/{p}/grad", Phase.BACKWARD, "multiply", shape, at, [out])
+            bcast = node(f"b{at}{p}", Phase.OPTIMIZER, "broadcast", shape, reads=[scalar])
+            ratio = node(f"u{at}{p}", Phase.OPTIMIZER, "divide", shape, reads=[grad, bcast])
+            new = node(f"w{at}{p}", Phase.OPTIMIZER, "subtract", shape, reads=[weight, ratio])
+            roles[at, p] = {"broadcast": bcast, "divide": ratio, "subtract": new}
+    problem = make_problem(phases, edges, [[1.0, 1.0]] * len(names), memory, layer=layer,
+                           opcodes=opcodes, outputs=[r["subtract"] for r in roles.values()])
+    problem = with_layer_ties(dataclasses.replace(problem, names=tuple(names)))
+    tie = problem.ties
+    for p in shapes:
+        for kind, i in roles[1, p].items():
+            assert tie[i] == roles[0, p][kind], (p, kind)
+    assert tie[roles[0, "b"]["broadcast"]] != roles[0, "a"]["broadcast"]     # roles kept apart
