@@ -7,10 +7,11 @@ Parts (each row is in the JSON):
    the per-window program of the paper).
 2. ``search_time``: partition + policy search of a 96-layer GPT (GPT-175B shape, fp32) over
    32 stages of a 1x8 H100 mesh, 80 GiB.
-3. ``heu_vs_opt``: a 2-layer GPT planned as one stage by Lynx-HEU and by Lynx-OPT started from
-   HEU's plan; simulated step time, OPT's status and bound (Lynx-OPT's gap is against the larger
-   of the backend's bound and the step that keeps everything, which no plan with the sharding
-   fixed beats). ``heu_vs_opt_synthetic``: the same on
+3. ``heu_vs_opt``: a 2-layer GPT (1 layer with ``--quick``: Lynx-OPT's staged program grows
+   with the square of the operators) planned as one stage by Lynx-HEU and by Lynx-OPT started
+   from HEU's plan; simulated step time, OPT's status and bound (Lynx-OPT's gap is against the
+   larger of the backend's bound and the step that keeps everything, which no plan with the
+   sharding fixed beats). ``heu_vs_opt_synthetic``: the same on
    random 3-layer graphs (4 operators per layer) where OPT is proven optimal.
 4. ``throughput``: GPT-1.3B/7B/13B/23B shapes, 4 stages of a 1x4 mesh, 8 micro-batches,
    40 GiB, NVLink and PCIe: even split with full or selective recomputation (Lynx's baselines),
@@ -86,7 +87,7 @@ def search_time(profile, stages, micro_batches, budget) -> list[dict]:
 
 
 def heu_vs_opt(config, mesh, cluster, fractions, time_limit) -> list[dict]:
-    build, _ = problem_of("gpt", 2, mesh, cluster=cluster, **config)
+    build, _ = problem_of("gpt", mesh=mesh, cluster=cluster, **config)
     problem = build.problem
     reference = solvers.reference_plan(problem, time_limit=60)
     keep_all = solvers.simulate(problem, reference.strategy).step_seconds
@@ -218,7 +219,8 @@ def main(argv=None) -> dict:
         depth_profile = model_profile("gpt", layers=8, mesh="1x2", micro_batch=4, **tiny)
         big = dataclasses.replace(depth_profile, layers=16)        # same layer, deeper
         setup = {"depths": (1, 4, 16), "exact_depths": (1,), "stages": 4, "search_budget": GIB,
-                 "opt_config": {"hidden": 32, "heads": 2, "seq": 16, "batch": 16, "vocab": 64},
+                 "opt_config": {"layers": 1, "hidden": 32, "heads": 2, "seq": 16, "batch": 16,
+                                "vocab": 64},
                  "opt_mesh": "1x2", "fractions": (0.95,), "opt_time_limit": 5,
                  "synthetic_seeds": range(2),
                  "shapes": {"gpt-tiny": (8, 32, 2)}, "clusters": ("a100-nvlink",),
@@ -231,8 +233,8 @@ def main(argv=None) -> dict:
                             hidden=12288, heads=96, seq=1024)
         setup = {"depths": DEPTHS, "exact_depths": DEPTHS, "stages": 32,
                  "search_budget": 80 * GIB,
-                 "opt_config": {"hidden": 64, "heads": 2, "seq": 32, "batch": 32,
-                                "vocab": 64},
+                 "opt_config": {"layers": 2, "hidden": 64, "heads": 2, "seq": 32,
+                                "batch": 32, "vocab": 64},
                  "opt_mesh": "1x4", "fractions": (0.99, 0.97, 0.95, 0.9),
                  "synthetic_seeds": range(20),
                  "opt_time_limit": args.opt_time_limit, "shapes": SHAPES,
