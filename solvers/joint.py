@@ -594,8 +594,9 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
     readers = p.readers()
     stages = _Stages(p, b, keep_expr, readers) if exact else None
     terms: list[tuple[Expr, float, float]] = []
+    param = (p.phase == Phase.PARAM).tolist()
     for i in range(n):
-        if p.phase[i] == Phase.PARAM:
+        if param[i]:
             terms.append((b.mem(i), 0, n - 1))
         elif read_back[i]:
             first = int(p.first_bwd_use[i])
@@ -631,9 +632,10 @@ def _held_operands(p, keep_expr, droppable, last) -> dict[int, list[tuple[int, b
     value, its last reader's stage."""
     late = p.latest_recompute_stage
     held: dict[int, list[tuple[int, bool]]] = {}
+    forward = (p.phase == Phase.FORWARD).tolist()
     for src, dst in p.uses:
         src, dst = int(src), int(dst)
-        if not droppable[dst] or p.phase[src] != Phase.FORWARD or late[dst] <= last[src]:
+        if not droppable[dst] or not forward[src] or late[dst] <= last[src]:
             continue
         if keep_expr[dst].is_constant and keep_expr[dst].constant == 1.0:
             continue

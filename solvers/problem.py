@@ -294,7 +294,11 @@ class ShardingProblem:
     def priced_pairs(self) -> list[tuple[int, int, np.ndarray]]:
         """``(source, destination, [source strategy, destination strategy] seconds)`` of every
         resharding the step pays: the edges, then the carried state (charged to the
-        parameter)."""
+        parameter). A list the problem keeps: not to be changed."""
+        return self._priced_pairs
+
+    @functools.cached_property
+    def _priced_pairs(self) -> list[tuple[int, int, np.ndarray]]:
         return ([(int(src), int(dst), r) for (src, dst, _), r in zip(self.edges,
                                                                      self.resharding)]
                 + [(int(v), int(p), r) for (v, p), r in zip(self.carried,

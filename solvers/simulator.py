@@ -120,8 +120,9 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
     within = chain_intermediates(served_until, last_reader)
 
     delta = np.zeros(n + 2, dtype=np.int64)
+    param = (problem.phase == Phase.PARAM).tolist()
     for i in range(n):
-        if problem.phase[i] == Phase.PARAM:
+        if param[i]:
             delta[0] += memory[i]
             delta[n + 1] -= memory[i]
             continue
@@ -214,9 +215,10 @@ def _lifetimes(problem: ShardingProblem, recompute_at, operands
             recomputed_in.setdefault(int(t), []).append(int(i))
 
     last_reader: dict[tuple[int, int], int] = {}
+    param = (problem.phase == Phase.PARAM).tolist()
 
     def use(i: int, t: int, reader: int) -> None:
-        if problem.phase[i] == Phase.PARAM:
+        if param[i]:
             return
         c = creations[i][bisect.bisect_right(creations[i], t) - 1]     # stage i <= t
         served_until[i][c] = max(served_until[i][c], t)
