@@ -87,9 +87,8 @@ def test_tied_pairs_reuse_their_roots_expressions_in_the_same_program(gpt3, monk
     twin_pairs = Builder._twin_pairs
 
     def counted(self, matrices, kinds):
-        twins = twin_pairs(self, matrices, kinds)
-        reused.update(twins)
-        return twins
+        reused.update(twin_pairs(self, matrices, kinds))
+        return reused
     monkeypatch.setattr(Builder, "_twin_pairs", counted)
     budget = int(0.8 * solvers.reference_plan(gpt3).peak_bytes)
     tied = build_joint(gpt3, budget, tie=gpt3.ties)
