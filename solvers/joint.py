@@ -398,7 +398,8 @@ class Builder:
         whose expression is another's, by index: a pair of tied nodes whose tie roots are
         joined by a pair of the same kind with the same matrix, each node's leader sharing its
         root's leader's binaries and mapping them to strategies alike: 165,951 of the 175,160
-        matrices of the 96-layer KIWI-config GPT on 2x4 (what that saves: docs/solvers.md)."""
+        matrices of the 96-layer KIWI-config GPT on 2x4, whose build took 9.3-9.8 s with
+        them, not 14.6-14.8 s (the operand copies left out)."""
         tie = self.tie
         if (tie == np.arange(self.p.num_nodes)).all():
             return {}
