@@ -351,18 +351,12 @@ class Builder:
         p = self.p
         matrices = [(int(src), int(dst), r / self.units.seconds)
                     for src, dst, r in p.priced_pairs()]
-        kinds = [("edge", int(slot)) for _, _, slot in p.edges] + \
-            [("carried", 0)] * len(p.carried)
         if self.copies:
             matrices += [(int(src), int(dst), g / self.units.bytes)
                          for (src, dst, _), g in zip(p.edges, p.gathered)]
-            kinds += [("copy", int(slot)) for (_, _, slot), _ in zip(p.edges, p.gathered)]
         out: list[Expr | None] = [None] * len(matrices)
         pairs: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
-        twins = self._twin_pairs(matrices, kinds)
         for e, (src, dst, full) in enumerate(matrices):
-            if e in twins:
-                continue
             ls, ld = int(p.leader[src]), int(p.leader[dst])
             matrix = full[np.ix_(p.follow[src], p.follow[dst])]
             if not matrix.any():
@@ -387,42 +381,8 @@ class Builder:
                 block = m[np.ix_(first_a, first_b)].ravel()
                 nz = block != 0
                 out[e] = Expr(evars.ravel()[nz], block[nz])
-        for e, twin in twins.items():
-            out[e] = out[twin]
         self._pairs = out
         return out
-
-    def _twin_pairs(self, matrices, kinds) -> dict[int, int]:
-        """Of :meth:`_pair_exprs`'s matrices (``(source, destination, matrix)``, each of a kind:
-        an edge's resharding at an operand slot, a carried value's, an operand copy's), those
-        whose expression is another's, by index: a pair of tied nodes whose tie roots are
-        joined by a pair of the same kind with the same matrix, each node's leader sharing its
-        root's leader's binaries and mapping them to strategies alike: 165,951 of the 175,160
-        matrices of the 96-layer KIWI-config GPT on 2x4, whose build took 9.3-9.8 s with
-        them, not 14.6-14.8 s (the operand copies left out)."""
-        tie = self.tie
-        if (tie == np.arange(self.p.num_nodes)).all():
-            return {}
-        index = {(kind, src, dst): e for e, ((src, dst, _), kind) in
-                 enumerate(zip(matrices, kinds))}
-        follow = [f.tobytes() for f in self.p.follow]
-        binaries = [id(self.s_vars.get(int(leader))) for leader in self.p.leader]
-
-        def alike(node: int, root: int) -> bool:
-            """The same binaries of their leaders, mapped to their strategies alike."""
-            return binaries[node] == binaries[root] and follow[node] == follow[root]
-
-        twins = {}
-        for e, ((src, dst, full), kind) in enumerate(zip(matrices, kinds)):
-            root = (kind, int(tie[src]), int(tie[dst]))
-            twin = index.get(root, e)
-            if twin == e or index.get((kind, int(tie[root[1]]), int(tie[root[2]]))) != twin:
-                continue
-            other = matrices[twin][2]
-            if alike(src, root[1]) and alike(dst, root[2]) and full.shape == other.shape \
-                    and full.tobytes() == other.tobytes():
-                twins[e] = twin
-        return twins
 
     def _classes(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(class of every row, first row of every class)``, memoised: repeated layers

@@ -15,7 +15,6 @@ from kiwi_jax.cli import main
 from kiwi_jax.frontend import problem_for_step
 from kiwi_jax.models import build
 from kiwi_jax.plan import Plan
-from solvers.joint import Builder, build_joint
 
 SOLVE_MODULE = sys.modules["solvers.solve"]     # solvers.solve is the function
 SMALL_GPT = {"layers": 3, "hidden": 32, "heads": 2, "seq": 8, "batch": 4, "vocab": 64}
@@ -67,36 +66,6 @@ def test_reuse_is_a_restriction_of_the_full_program(gpt3):
         sim = solvers.simulate(gpt3, solution.strategy, recompute_at=solution.recompute_at)
         assert sim.peak_bytes <= budget
         assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6)
-
-
-def _signature(model):
-    """A program up to the order of its variables and rows: the sorted rows (their sorted
-    coefficients and bounds) and the sorted columns (theirs, bounds, cost and integrality)."""
-    matrix, lo, hi, lb, ub, cost, integer, _, _ = model.arrays()
-
-    def lines(m, *per_line):
-        return sorted((tuple(np.sort(m.data[m.indptr[k]:m.indptr[k + 1]]).round(9)),
-                       *(float(v[k]) for v in per_line)) for k in range(m.shape[0]))
-    return lines(matrix.tocsr(), lo, hi), lines(matrix.T.tocsr(), lb, ub, cost, integer)
-
-
-def test_tied_pairs_reuse_their_roots_expressions_in_the_same_program(gpt3, monkeypatch):
-    # the resharding seconds and operand-copy bytes of a pair of tied nodes are their tie
-    # roots' (solvers.joint.Builder._twin_pairs): the program is the one built pair by pair
-    reused = {}
-    twin_pairs = Builder._twin_pairs
-
-    def counted(self, matrices, kinds):
-        reused.update(twin_pairs(self, matrices, kinds))
-        return reused
-    monkeypatch.setattr(Builder, "_twin_pairs", counted)
-    budget = int(0.8 * solvers.reference_plan(gpt3).peak_bytes)
-    tied = build_joint(gpt3, budget, tie=gpt3.ties)
-    pairs = 2 * len(gpt3.edges) + len(gpt3.carried)     # resharding and copy of each edge
-    assert len(reused) > 0.45 * pairs      # 3,480 of 6,551: most of layers 1 and 2
-    monkeypatch.setattr(Builder, "_twin_pairs", lambda self, matrices, kinds: {})
-    pair_by_pair = build_joint(gpt3, budget, tie=gpt3.ties)
-    assert _signature(tied.model) == _signature(pair_by_pair.model)
 
 
 def test_the_reference_peak_counts_only_a_finished_peak_solve(gpt3, monkeypatch):
