@@ -288,9 +288,8 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     copies = programs.copies  # counted once a plan is over the budget with them (build_joint)
     tightened = False        # the program without them solved again under less memory
     relaxed = deadline       # until when the program without them is solved
-    if warm_start is None and budget_bytes is not None \
-            and any(matrix.any() for matrix in problem.gathered):
-        relaxed -= (1 - RELAXED_SHARE) * max(deadline - time.perf_counter(), 0.0)
+    shared = warm_start is None and budget_bytes is not None \
+        and any(matrix.any() for matrix in problem.gathered)
     attempts = 0
     exact = programs.exact   # chains' lifetimes bounded from above until that is infeasible
     while attempts < 3:
@@ -301,6 +300,9 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         joint, fixed = programs.built[key] if again else _formulation(
             problem, solver, limit, False, reuse_layers, skip, copies, exact)
         programs.built[key] = joint, fixed
+        if shared and not copies:          # its share of the time left once it is built
+            now = time.perf_counter()
+            relaxed, shared = now + RELAXED_SHARE * max(deadline - now, 0.0), False
         time_limit = max((deadline if copies else relaxed) - time.perf_counter(), 1.0)
         log.info("%s: %d variables, %d constraints, %s in %.2f s", solver,
                  joint.model.num_vars, joint.model.num_rows,
@@ -397,10 +399,10 @@ RELAXED_TIGHTENING = 0.05
 with them by at most this share of it is solved for once more in that program, under a budget
 less the excess, before the program with them is."""
 RELAXED_SHARE = 0.4
-"""Share of a solve's time for the program without the resharded operand copies (a relaxation
-of the one with them: its plan is the answer when it fits with them) when the solve has no
-warm start, so that a plan over the budget with them leaves the rest to the program that counts
-them. With the whole time, the zoo Llama on 2x4 at 80% found, after 48 s, a plan 1.2% over with
+"""Share of a solve's time, as left once it is built, for the program without the resharded
+operand copies (a relaxation of the one with them: its plan is the answer when it fits with
+them) when the solve has no warm start, so that a plan over the budget with them leaves the
+rest to the program that counts them. With the whole time, the zoo Llama on 2x4 at 80% found, after 48 s, a plan 1.2% over with
 its copies, and the program with them then had no time left to find one (it finds one in 20 s
 from the start). With a warm start, which fits with the copies, the counted program always has
 a plan, and the relaxation keeps the whole time."""
