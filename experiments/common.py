@@ -30,7 +30,7 @@ a sweep's time per solve on 2 cores (docs/solvers.md); small MLPs solve untied."
 
 STUDY_GAP = 1e-4
 """Relative optimality gap of the studies' solves: the figures in docs/ were measured with it
-(``solvers.solve``'s default then); the library's default is 1e-3 (``solvers.options``)."""
+(``solvers.solve``'s default then); the library's default is 5e-3 (``solvers.options``)."""
 
 
 def results_path(name: str) -> pathlib.Path:

@@ -1,6 +1,6 @@
 """Solve time against depth, against the targets: what a user waits for between calling the
 decorator and the first compile, on the KIWI-config GPT (abstract arrays, 2x4 mesh, embedded
-backend, the library's default solver options: layer ties on, gap 1e-3, 60 s).
+backend, the library's default solver options: layer ties on, gap 5e-3, 60 s).
 
 Per depth, the stages a percentage budget costs are timed apart:
 

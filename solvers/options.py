@@ -27,9 +27,12 @@ class SolverOptions:
     time_limit: float = 60.0
     """Seconds for the solve, its warm-start stages included; the best plan found by then is
     returned with its gap."""
-    mip_gap: float = 1e-3
-    """Relative optimality gap at which the backend stops (a plan within 0.1% of the optimum of
-    its program)."""
+    mip_gap: float = 5e-3
+    """Relative optimality gap at which the backend stops (a plan within 0.5% of the optimum of
+    its program). The cost model's steps differ from the compiled programs' estimates by 5-27%
+    (docs/cost_model.md), so a tighter proof buys nothing the compiled step shows: on the
+    4-layer KIWI-config GPT on 2x4 at 80%, 1e-3 took HiGHS 13.2 s to a plan 0.21% faster than
+    the one it proves within 5e-3 in 5.1 s."""
     reuse_layers: bool = True
     """Give corresponding operators of identical layers one decision (solve one layer, apply it
     to its repeats; :func:`solvers.reuse.layer_ties`): fewer variables and faster solves, at
@@ -46,7 +49,7 @@ class SolverOptions:
             raise ValueError(f"time_limit: expected seconds above 0, got {self.time_limit!r}")
         if not 0 <= self.mip_gap < 1:
             raise ValueError(f"mip_gap: expected a relative gap in [0, 1), got "
-                             f"{self.mip_gap!r} (1e-3 stops within 0.1% of the optimum)")
+                             f"{self.mip_gap!r} (5e-3 stops within 0.5% of the optimum)")
         if self.threads < 1:
             raise ValueError(f"threads: expected at least 1, got {self.threads!r}")
 
