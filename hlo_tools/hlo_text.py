@@ -33,6 +33,7 @@ DTYPE_BITS = {
     "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
     "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8,
     "f8e4m3fnuz": 8, "f8e3m4": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4,
+    "f6e2m3fn": 8, "f6e3m2fn": 8,      # jaxlib 0.12: a byte each, not packed (3 B for [3])
 }
 """Bits per element of every element type XLA prints in HLO text (``xla::PrimitiveType`` in
 lower case, ``OPAQUE_TYPE`` as ``opaque``). ``pred`` is stored in a byte; sub-byte types are

@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding
 
 from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import argument_paths, lower_to_hlo
-from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_order, scan_body, tag_of,
-                                trace_flat)
+from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_order, scan_body,
+                                scan_layout, tag_of, trace_flat)
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
@@ -99,7 +99,7 @@ def _representatives(closed, graph: OpGraph) -> dict:
             scan = scan_body(eqn)
             # a scan's own nodes are the stacks of its outputs; its body's have their paths
             nodes = exact.get(path, []) if scan is not None else by_tag.get(path, [])
-            carried = int(eqn.params["num_carry"]) if scan is not None else 0
+            carried = scan_layout(eqn)[1] if scan is not None else 0
             for k, var in enumerate(eqn.outvars):
                 aval = var.aval
                 if not hasattr(aval, "shape") or k < carried:    # a final carry: the body's

@@ -73,7 +73,7 @@ import jax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 
-__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "is_unit",
+__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "scan_layout", "is_unit",
            "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
@@ -101,11 +101,24 @@ def inlined_call(eqn) -> tuple[object, tuple] | None:
 
 def scan_body(eqn) -> tuple[object, tuple, int] | None:
     """``(jaxpr, consts, length)`` of a ``scan`` equation's body, which the interpreter unrolls
-    (iteration i at paths ``<scan path>s<i>_<index>``); None for any other equation."""
+    (iteration i at paths ``<scan path>s<i>_<index>``); None for any other equation. The body
+    is a closed jaxpr up to jax 0.10, an open one (no consts of its own) from jax 0.11."""
     if eqn.primitive.name != "scan":
         return None
     body = eqn.params["jaxpr"]
-    return body.jaxpr, body.consts, int(eqn.params["length"])
+    consts = body.consts if hasattr(body, "consts") else ()
+    return getattr(body, "jaxpr", body), consts, int(eqn.params["length"])
+
+
+def scan_layout(eqn) -> tuple[int, int]:
+    """``(consts, carry)``: how many of a ``scan`` equation's operands are its constants and
+    its carry (the rest are the scanned inputs; its outputs are the carry, then the stacks).
+    Up to jax 0.10 they are the ``num_consts`` and ``num_carry`` parameters; from jax 0.11 the
+    operands' groups (constants, carry, scanned) are the flat tree ``ft_in``."""
+    if "num_consts" in eqn.params:
+        return int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+    consts, carry, _ = (len(list(group.vals)) for group in eqn.params["ft_in"].unpack())
+    return consts, carry
 
 
 def is_unit(path: str) -> bool:
@@ -362,7 +375,7 @@ class Interpreter:
     def _scan(self, run, anchored, eqn, invals, path, name_stack, units, in_scan) -> list:
         """Unroll a ``scan`` equation; its stacked outputs stay per iteration (:class:`_Stacked`)."""
         jaxpr, consts, length = scan_body(eqn)
-        n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+        n_consts, n_carry = scan_layout(eqn)
         fixed = [self._materialise(v) for v in invals[:n_consts]]
         carry = [self._materialise(v) for v in invals[n_consts:n_consts + n_carry]]
         xs = invals[n_consts + n_carry:]
