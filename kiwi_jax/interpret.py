@@ -82,9 +82,11 @@ _TAG = re.compile(r"(?:^|[/(])k(\d+(?:[_s]\d+)*)(?=[/)]|$)")
 _UNIT = re.compile(r"\d+(?:s\d+_\d+)*")
 INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
                  "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
-                 "core_call": "call_jaxpr", "remat2": "jaxpr"}
+                 "core_call": "call_jaxpr", "remat2": "jaxpr", "eval_jaxpr": "call_jaxpr"}
 """Call-like primitives the interpreter inlines, each with the parameter holding its body: the
-body's equations run one by one, at paths ``<call path>_<index>``. ``remat2`` (``jax.checkpoint``)
+body's equations run one by one, at paths ``<call path>_<index>`` (``eval_jaxpr`` is where
+jax 0.12 puts the forward pass of a ``jax.checkpoint``, which jax 0.10 put in a
+``closed_call``). ``remat2`` (``jax.checkpoint``)
 is inlined the way JAX lowers it: its differentiated form behind an optimization barrier on the
 inputs it protects from CSE."""
 
