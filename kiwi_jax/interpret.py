@@ -73,8 +73,8 @@ import jax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 
-__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "scan_layout", "is_unit",
-           "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
+__all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "scan_layout",
+           "is_unit", "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
 
@@ -84,11 +84,10 @@ INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr
                  "custom_vjp_call": "call_jaxpr", "closed_call": "call_jaxpr",
                  "core_call": "call_jaxpr", "remat2": "jaxpr", "eval_jaxpr": "call_jaxpr"}
 """Call-like primitives the interpreter inlines, each with the parameter holding its body: the
-body's equations run one by one, at paths ``<call path>_<index>`` (``eval_jaxpr`` is where
-jax 0.12 puts the forward pass of a ``jax.checkpoint``, which jax 0.10 put in a
-``closed_call``). ``remat2`` (``jax.checkpoint``)
-is inlined the way JAX lowers it: its differentiated form behind an optimization barrier on the
-inputs it protects from CSE."""
+body's equations run one by one, at paths ``<call path>_<index>`` (``eval_jaxpr`` is where jax
+0.12 puts the forward pass of a ``jax.checkpoint``, which jax 0.10 put in a ``closed_call``).
+``remat2`` (``jax.checkpoint``) is inlined the way JAX lowers it: its differentiated form behind
+an optimization barrier on the inputs it protects from CSE."""
 
 
 def inlined_call(eqn) -> tuple[object, tuple] | None:

@@ -401,11 +401,11 @@ less the excess, before the program with them is."""
 RELAXED_SHARE = 0.4
 """Share of a solve's time, as left once it is built, for the program without the resharded
 operand copies (a relaxation of the one with them: its plan is the answer when it fits with
-them) when the solve has no warm start, so that a plan over the budget with them leaves the
-rest to the program that counts them. With the whole time, the zoo Llama on 2x4 at 80% found, after 48 s, a plan 1.2% over with
-its copies, and the program with them then had no time left to find one (it finds one in 20 s
-from the start). With a warm start, which fits with the copies, the counted program always has
-a plan, and the relaxation keeps the whole time."""
+them) when the solve has no warm start, so that a plan over the budget with them leaves the rest
+to the program that counts them. With the whole time, the zoo Llama on 2x4 at 80% found, after
+48 s, a plan 1.2% over with its copies, and the program with them then had no time left to find
+one (it finds one in 20 s from the start). With a warm start, which fits with the copies, the
+counted program always has a plan, and the relaxation keeps the whole time."""
 
 
 def _tie_advice(problem: ShardingProblem, solver: str, reuse_layers: bool) -> str:
