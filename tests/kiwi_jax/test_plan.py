@@ -51,19 +51,21 @@ def test_layer_ties_map_every_layer_onto_the_first(gpt3):
     assert (tie[updates] != updates).mean() > 0.4
 
 
-def test_reuse_is_a_restriction_of_the_full_program(gpt3):
-    budget = _tight_budget(gpt3)
-    full = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=False)
-    reused = solvers.solve(gpt3, budget, solver="kiwi", reuse_layers=True)
+def test_reuse_is_a_restriction_of_the_full_program():
+    # two layers, the second tied to the first (57 s with three here, 30 s with two)
+    gpt2 = _problem("gpt", "1x2", **{**SMALL_GPT, "layers": 2})
+    budget = _tight_budget(gpt2)
+    full = solvers.solve(gpt2, budget, solver="kiwi", reuse_layers=False)
+    reused = solvers.solve(gpt2, budget, solver="kiwi", reuse_layers=True)
     assert reused.num_vars < full.num_vars
     assert full.objective <= reused.objective * (1 + 1e-6)
-    tie = solvers.layer_ties(gpt3)
-    leaders = gpt3.leaders[(tie[gpt3.leaders] != gpt3.leaders)]
+    tie = solvers.layer_ties(gpt2)
+    leaders = gpt2.leaders[(tie[gpt2.leaders] != gpt2.leaders)]
     same = [reused.strategy[i] == reused.strategy[tie[i]] for i in leaders
-            if gpt3.leader[tie[i]] == tie[i]]
-    assert all(same)
+            if gpt2.leader[tie[i]] == tie[i]]
+    assert same and all(same)
     for solution in (full, reused):
-        sim = solvers.simulate(gpt3, solution.strategy, recompute_at=solution.recompute_at)
+        sim = solvers.simulate(gpt2, solution.strategy, recompute_at=solution.recompute_at)
         assert sim.peak_bytes <= budget
         assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6)
 
