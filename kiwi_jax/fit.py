@@ -43,8 +43,8 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["FitStop", "FitTrial", "FitRecord", "FitResult", "fit_budget", "BAND", "RESOLUTION",
-           "FIT_COMPILES"]
+__all__ = ["FitStop", "FitTrial", "FitRecord", "FitResult", "NoPlanInTime", "fit_budget", "BAND",
+           "RESOLUTION", "FIT_COMPILES"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ class SolvedPlan(Protocol):
 P = TypeVar("P", bound=SolvedPlan)
 
 
+class NoPlanInTime(Exception):
+    """Raised by a search's ``solve`` when the solver found no plan under a budget in its time
+    limit, which does not show that none exists there (None does): the search stops
+    (:attr:`FitStop.TIME`)."""
+
+
 class FitStop(enum.Enum):
     """Why the search stopped; every exit of :func:`fit_budget` is one of these."""
 
@@ -87,6 +93,10 @@ class FitStop(enum.Enum):
     """The solver has no plan where the search needs one: at the start and
     :data:`NO_PLAN_RETRIES` looser solver budgets, or under every tighter solver budget left
     (the plans compiled over the budget)."""
+    TIME = "time"
+    """The solver found no plan in its time limit under the last solver budget: no proof that
+    none exists, but each such solve costs the whole limit (on the zoo Llama on 2x4 at 80%,
+    four in a row took 4 of the search's 8 minutes), so the search keeps what it measured."""
     BLOCKS = "blocks"
     """No plan of the search fit, and the whole-block recomputation did, or the budget is under
     the model's smallest peak and it fit with a faster compiled estimate (set by the decorator
@@ -221,7 +231,8 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
 
     Args:
       budget: the user's per-device budget the compiled step must fit.
-      solve: the plan for a solver budget, or None when the solver has none under it.
+      solve: the plan for a solver budget, or None when the solver has none under it; raises
+        :class:`NoPlanInTime` when it found none in its time limit.
       compile: the compiled per-device memory of a plan.
       key: a plan's identity (plans with equal keys apply to the same step and are compiled
         once).
@@ -279,8 +290,14 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
             stop = FitStop.SOLVES
             break
         else:
-            plan = solve(guess)
             solves += 1
+            try:
+                plan = solve(guess)
+            except NoPlanInTime:
+                log.info("fit: no plan found under a solver budget of %d B in the solver's time "
+                         "limit; the search stops", guess)
+                stop = FitStop.TIME
+                break
         new = False
         if plan is None:
             log.info("fit: no plan under a solver budget of %d B", guess)

@@ -56,7 +56,7 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
-from kiwi_jax.fit import FIT_COMPILES, FitStop, FitTrial, fit_budget
+from kiwi_jax.fit import FIT_COMPILES, FitStop, FitTrial, NoPlanInTime, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
@@ -434,10 +434,12 @@ class OptimizedStep:
             try:
                 return solve_plan(build, solver_budget, options.solver,
                                   search_min_feasible=False, **options.solver_options())
-            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
-                log.info("%s: no plan under a solver budget of %d B (%s)", self.__name__,
-                         solver_budget, type(error).__name__)
+            except solvers.InfeasibleBudgetError:
+                log.info("%s: no plan under a solver budget of %d B", self.__name__,
+                         solver_budget)
                 return None
+            except solvers.SolverTimeoutError as error:
+                raise NoPlanInTime(str(error)) from error
 
         def compile_(plan: Plan) -> int:
             if plan.fingerprint not in applied:   # the user's budget, not its solver budget
@@ -531,7 +533,8 @@ class OptimizedStep:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
         it (and no recipe that fits was compared)."""
         record = plan.fit
-        more = " or fit_compiles" if record.stop in (FitStop.COMPILES, FitStop.SOLVES) else ""
+        more = {FitStop.COMPILES: " or fit_compiles", FitStop.SOLVES: " or fit_compiles",
+                FitStop.TIME: " or time_limit"}.get(record.stop, "")
         warnings.warn(
             f"{self.__name__}: the compiled step needs {record.compiled_peak_bytes:,} B per "
             f"device, over the {plan.budget_bytes:,} B budget; the search of the solver's "

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kiwi_jax.fit import FitRecord, FitStop, fit_budget
+from kiwi_jax.fit import FitRecord, FitStop, NoPlanInTime, fit_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +200,22 @@ def test_the_compile_bound_is_respected():
     assert len(land.compiled) == result.record.compiles == 4
     assert result.record.stop == FitStop.COMPILES and not result.record.fits
     assert result.plan.name == "138"            # none fits: the one that compiled smallest
+
+
+def test_no_plan_in_the_solvers_time_stops_the_search_with_what_it_measured():
+    # the first plan compiles over; the solver then finds nothing in its time under 895 B,
+    # where plans exist (a timeout proves nothing): no bisection above it, no more solves
+    def answers(budget):
+        if budget < 1000:
+            raise NoPlanInTime("no plan found within the time limit")
+        return FakePlan("A", 1000, 1.0, 1100)
+
+    land = Landscape(answers=answers)
+    result = land.fit(1000, unlimited=None)
+    assert land.solved == [1000, 895] and land.compiled == ["A"]
+    record = result.record
+    assert record.stop == FitStop.TIME and record.solves == 2 and not record.fits
+    assert result.plan.name == "A" and "(stopped: time)" in record.describe()
 
 
 def test_no_unlimited_plan_means_no_ceiling():
