@@ -97,6 +97,11 @@ class FitStop(enum.Enum):
     """The solver found no plan in its time limit under the last solver budget: no proof that
     none exists, but each such solve costs the whole limit (on the zoo Llama on 2x4 at 80%,
     four in a row took 4 of the search's 8 minutes), so the search keeps what it measured."""
+    BEATEN = "beaten"
+    """The last plan compiled over the budget, and a step that fits is estimated no slower
+    (``beaten``: with ``recipes`` on, the decorator's fastest recipe that fits). A tighter
+    solver budget only gives plans the model predicts slower still, so the search keeps what it
+    measured and the faster step runs."""
     BLOCKS = "blocks"
     """No plan of the search fit, and the whole-block recomputation did, or the budget is under
     the model's smallest peak and it fit with a faster compiled estimate (set by the decorator
@@ -226,7 +231,8 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
                key: Callable[[P], Hashable], unlimited: Callable[[], P] | None = None,
                start: int | None = None, floor: int | None = None, max_compiles: int = 6,
                max_solves: int | None = None, tolerance: float = BAND,
-               resolution: float = RESOLUTION, step_tolerance: float = 1e-6) -> FitResult[P]:
+               resolution: float = RESOLUTION, step_tolerance: float = 1e-6,
+               beaten: Callable[[P], bool] | None = None) -> FitResult[P]:
     """Search the solver's budget until the compiled step fits ``budget`` and uses it.
 
     Args:
@@ -251,6 +257,9 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
         of the budget.
       step_tolerance: a plan within this relative distance of the ``unlimited`` plan's step
         is as fast as it (e.g. the solver's optimality gap).
+      beaten: asked of each plan newly compiled over the budget: is a step that fits (outside
+        the search) no slower than it? True stops the search (:attr:`FitStop.BEATEN`): every
+        plan under a tighter solver budget is predicted slower still. None: never.
 
     Returns:
       The fastest plan that fit (lowest predicted step, then lowest compiled memory), or, if
@@ -347,6 +356,9 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
                     break
             else:
                 hi = (min(int(plan.predicted_peak_bytes), int(guess)), compiled)
+                if new and beaten is not None and beaten(plan):
+                    stop = FitStop.BEATEN
+                    break
         if compiles >= max_compiles:
             stop = FitStop.COMPILES
             break

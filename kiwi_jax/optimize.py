@@ -182,6 +182,30 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
     return OptimizedStep(train_step, options=options)
 
 
+class _RecipeSteps:
+    """The recipes compiled for one step, once per budget (:func:`compile_recipes`): by the
+    budget search, where the fastest that fits may beat kiwi's plans over the budget, and by
+    the choice after it."""
+
+    def __init__(self, compile_):
+        self._compile = compile_                  # budget -> (rows, steps)
+        self._done: dict[int, tuple[tuple, dict, float]] = {}
+
+    def compiled(self, budget: int) -> tuple[tuple, dict, float]:
+        """``(rows, steps)`` of :func:`compile_recipes` for ``budget``, and the seconds they
+        took to compile."""
+        if budget not in self._done:
+            start = time.perf_counter()
+            rows, steps = self._compile(budget)
+            self._done[budget] = rows, steps, time.perf_counter() - start
+        return self._done[budget]
+
+    def fastest_fitting(self, budget: int) -> RecipeRow | None:
+        """The recipe estimated fastest of those that fit ``budget`` once compiled."""
+        rows = [row for row in self.compiled(budget)[0] if row.fits(budget)]
+        return min(rows, key=lambda row: row.step_seconds, default=None)
+
+
 def _signature(args) -> tuple:
     leaves, tree = jax.tree.flatten(args)
     return tree, tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else ("static", x)
@@ -272,6 +296,9 @@ class OptimizedStep:
                         self.__name__, processes.process_count)
             recipes = ()
         choice = recipe = None
+        recipe_steps = _RecipeSteps(functools.partial(
+            compile_recipes, self.train_step, step_arguments(abstract), options.mesh, recipes,
+            cluster=build.cluster, donate=options.donate)) if recipes else None
         if receives:
             plan, cached = self._received(processes, traced, build), False
             if plan is None:
@@ -281,7 +308,7 @@ class OptimizedStep:
         else:
             try:
                 plan, applied, cached, plan_seconds, start, build = self._planned(
-                    traced, build, abstract, start, recipes)
+                    traced, build, abstract, start, recipes, recipe_steps)
                 infeasible = None
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
                 if not recipes or error.budget_bytes is None:
@@ -291,8 +318,8 @@ class OptimizedStep:
                 plan_seconds, start = time.perf_counter() - start, time.perf_counter()
             if recipes:
                 budget = infeasible.budget_bytes if plan is None else plan.budget_bytes
-                choice, recipe = self._choose(abstract, traced, build, plan, applied, recipes,
-                                              budget, infeasible)
+                choice, recipe = self._choose(abstract, traced, build, plan, applied,
+                                              recipe_steps, budget, infeasible)
                 if applied is None and recipe is None:
                     raise infeasible
             if not cached and recipe is None and plan.fit is not None and not plan.fit.fits:
@@ -307,7 +334,8 @@ class OptimizedStep:
                         received=receives, choice=choice, recipe=recipe), key
 
     def _choose(self, abstract: PureStep, traced: TracedStep, build: ProblemBuild,
-                plan: Plan | None, applied: CompiledPlan | None, recipes: tuple, budget: int,
+                plan: Plan | None, applied: CompiledPlan | None, recipe_steps: _RecipeSteps,
+                budget: int,
                 infeasible: solvers.InfeasibleBudgetError | solvers.SolverTimeoutError | None
                 ) -> tuple[Choice, CompiledPlan | None]:
         """The recipes, and kiwi's plan run as its export (:data:`CHECKPOINTED`), compiled for
@@ -315,17 +343,16 @@ class OptimizedStep:
         with the problem's cluster); the winner's compiled step, or None when kiwi's plan runs
         (or nothing fits). ``infeasible``: why kiwi has no plan (no plan under the budget, or
         none found in the time limit), when it has none."""
-        options = self.options
+        rows, steps, seconds = recipe_steps.compiled(budget)
         start = time.perf_counter()
-        rows, steps = compile_recipes(self.train_step, step_arguments(abstract), options.mesh,
-                                      recipes, budget, build.cluster, options.donate)
         if plan is not None:
             rows, steps = self._checkpointed(abstract, traced, build, plan, rows, steps)
         kiwi_bytes = kiwi_seconds = None
         if applied is not None:
             kiwi_bytes = applied.memory.peak_bytes
             kiwi_seconds = self._estimate(applied, build)
-        choice = choose(budget, kiwi_bytes, kiwi_seconds, rows, time.perf_counter() - start,
+        choice = choose(budget, kiwi_bytes, kiwi_seconds, rows,
+                        seconds + time.perf_counter() - start,
                         None if infeasible is None else str(infeasible))
         if applied is None and not choice.runs_recipe:
             log.info("%s: kiwi has no plan for the budget and none of the %d recipes fits it",
@@ -365,10 +392,11 @@ class OptimizedStep:
                         compile_seconds=time.perf_counter() - start)
         return (*rows, row), {**steps, CHECKPOINTED: compiled}
 
-    def _planned(self, traced, build, abstract, start, recipes=()):
+    def _planned(self, traced, build, abstract, start, recipes=(), recipe_steps=None):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
         with the planning and compiling times' split, and the problem it was solved on (see
-        :meth:`_plan`; ``recipes``: the solver's starts where its own search finds no plan)."""
+        :meth:`_plan`; ``recipes``: the solver's starts where its own search finds no plan;
+        ``recipe_steps``: them compiled, for the search to stop at when they are faster)."""
         options = self.options
         compiled: dict[str, CompiledPlan] = {}     # by plan fingerprint
         plan, cached, build, infeasible = self._plan(traced, build, abstract, compiled, recipes)
@@ -380,7 +408,8 @@ class OptimizedStep:
         if cached or not options.fit_compiles:
             applied = compiled.get(plan.fingerprint) or self._apply(traced, build, plan, abstract)
         else:
-            plan, applied = self._fit(traced, build, plan, infeasible, abstract, compiled)
+            plan, applied = self._fit(traced, build, plan, infeasible, abstract, compiled,
+                                      recipe_steps)
         if not cached:
             self._store(traced, build, plan)
         return plan, applied, cached, plan_seconds, start, build
@@ -410,13 +439,16 @@ class OptimizedStep:
 
     def _fit(self, traced, build, first: Plan | None,
              infeasible: solvers.InfeasibleBudgetError | None, abstract,
-             applied: dict[str, CompiledPlan]) -> tuple[Plan, CompiledPlan]:
+             applied: dict[str, CompiledPlan], recipe_steps: _RecipeSteps | None = None
+             ) -> tuple[Plan, CompiledPlan]:
         """The compiler is the judge: search the solver's budget against the compiled step
         (:func:`kiwi_jax.fit.fit_budget`, at most ``fit_compiles`` compiles) and keep the
         fastest plan that fits once compiled. ``first``: the plan solved under the budget;
         None with ``infeasible``, the model's error for the budget, when the search starts
         from its smallest feasible one (the model over-predicts XLA's memory on some steps).
         ``applied``: the plans compiled so far, by fingerprint (the search adds its own).
+        ``recipe_steps``: the recipes; once a plan compiles over the budget and the fastest
+        recipe that fits is estimated no slower, the search stops there (the recipe runs).
 
         Raises:
           solvers.InfeasibleBudgetError: the model has no plan under the budget and none of
@@ -446,13 +478,26 @@ class OptimizedStep:
                 applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
             return applied[plan.fingerprint].memory.peak_bytes
 
+        def beaten(plan: Plan) -> bool:
+            recipe = recipe_steps.fastest_fitting(budget)
+            if recipe is None:
+                return False
+            seconds = self._estimate(applied[plan.fingerprint], build)
+            if seconds < recipe.step_seconds:
+                return False
+            log.info("%s: a plan over the budget is estimated at %.4f ms, and recipe %s, which "
+                     "fits, at %.4f ms: plans under less memory are slower still", self.__name__,
+                     seconds * 1e3, recipe.name, recipe.step_seconds * 1e3)
+            return True
+
         floor = None if first is not None else infeasible.min_feasible_bytes \
             if infeasible.lower_bound_bytes is None else infeasible.lower_bound_bytes
         start = None if first is not None else infeasible.min_feasible_bytes
         result = fit_budget(
             budget, solve, compile_, key=lambda plan: plan.fingerprint,
             unlimited=lambda: self._unlimited(build, budget), start=start, floor=floor,
-            max_compiles=options.fit_compiles, step_tolerance=options.mip_gap)
+            max_compiles=options.fit_compiles, step_tolerance=options.mip_gap,
+            beaten=None if recipe_steps is None else beaten)
         record = result.record
         if options.mesh.devices.size == 1 and (not record.fits or infeasible is not None):
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied)

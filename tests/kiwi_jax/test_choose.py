@@ -18,6 +18,7 @@ import kiwi_jax
 import solvers
 from kiwi_jax import cli
 from kiwi_jax.choose import CHECKPOINTED, KIWI, Choice, RecipeRow, choose, parse_recipes
+from kiwi_jax.fit import FitStop
 from kiwi_jax.models import build
 from kiwi_jax.optimize import OptimizedStep
 from kiwi_jax.recipes import Recipe, all_recipes
@@ -150,10 +151,15 @@ def test_kiwis_plan_runs_when_no_recipe_fits(mesh24):
 
 
 @pytest.mark.parametrize("recipes", [False, ("fsdp+tp",)], ids=["kiwi-alone", "fsdp+tp"])
-def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, mesh24):
+def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, monkeypatch, mesh24):
     """An MLP of dimensions 2x4 does not divide, under the reference plan's predicted peak
     (4,076 B; it compiles to 5,700 B) with one compile: kiwi's plan compiles over the budget;
-    ``fsdp+tp`` fits it and runs instead, without the warning."""
+    ``fsdp+tp`` fits it and runs instead, without the warning. The recipes are compiled once,
+    for the budget search and the choice."""
+    module, compiled = importlib.import_module("kiwi_jax.optimize"), []
+    real = module.compile_recipes
+    monkeypatch.setattr(module, "compile_recipes",
+                        lambda *a, **k: compiled.append(a) or real(*a, **k))
     ref = build("mlp", layers=2, width=24, in_dim=12, out_dim=12, batch=6)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=recipes,
                              **{**OPTIONS, "memory_budget": 4_076})
@@ -161,8 +167,26 @@ def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, mesh24):
         warnings.simplefilter("always")
         prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
     over = [w for w in caught if "running the one that compiled smallest" in str(w.message)]
-    assert not prepared.plan.fit.fits
+    assert not prepared.plan.fit.fits and len(compiled) == bool(recipes)
     assert prepared.runs_recipe == bool(recipes) and len(over) == (not recipes)
+
+
+def test_the_budget_search_stops_where_a_recipe_that_fits_is_faster(monkeypatch, mesh24):
+    """The MLP under 100,000 B: kiwi's first plan compiles to 103,868 B at est. 0.0358 ms;
+    ``tp`` fits (45,324 B) at est. 0.0153 ms. Plans under less memory are slower still, so
+    the search stops after its first compile (of three allowed), and ``tp`` runs; the recipes
+    are compiled once, for the search and the choice."""
+    module, compiled = importlib.import_module("kiwi_jax.optimize"), []
+    real = module.compile_recipes
+    monkeypatch.setattr(module, "compile_recipes",
+                        lambda *a, **k: compiled.append(a) or real(*a, **k))
+    ref = build("mlp", **MLP)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=("tp",),
+                             **{**OPTIONS, "memory_budget": 100_000, "fit_compiles": 3})
+    prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    fit = prepared.plan.fit
+    assert fit.stop == FitStop.BEATEN and fit.compiles == fit.solves == 1 and not fit.fits
+    assert prepared.choice.winner == "tp" and len(compiled) == 1
 
 
 class _PlanningProcess:

@@ -218,6 +218,28 @@ def test_no_plan_in_the_solvers_time_stops_the_search_with_what_it_measured():
     assert result.plan.name == "A" and "(stopped: time)" in record.describe()
 
 
+def test_a_plan_over_the_budget_that_a_fitting_step_beats_stops_the_search():
+    # A compiles over, faster than the step that fits; B, solved under less memory
+    # (1000 * 985 / 1300), compiles over too and is no faster than that step: the search stops,
+    # and C, which would fit, is never solved for
+    land = Landscape(FakePlan("A", 1000, 1.0, 1300), FakePlan("B", 700, 1.5, 1050),
+                     FakePlan("C", 600, 2.0, 950))
+    asked = []
+
+    def beaten(plan):
+        asked.append(plan.name)
+        return plan.predicted_step_seconds >= 1.4
+
+    result = land.fit(1000, beaten=beaten)
+    assert land.solved == [1000, 758] and land.compiled == ["A", "B"] == asked
+    record = result.record
+    assert record.stop == FitStop.BEATEN and not record.fits and result.plan.name == "B"
+    assert "(stopped: beaten)" in record.describe()
+    # never asked of a plan that fits
+    fits = Landscape(FakePlan("A", 1000, 1.0, 900))
+    assert fits.fit(1000, beaten=beaten).record.stop == FitStop.FASTEST and asked == ["A", "B"]
+
+
 def test_no_unlimited_plan_means_no_ceiling():
     land = Landscape(answers=lambda b: FakePlan(str(b), b, 1000.0 / b, int(0.5 * b)))
     result = fit_budget(1000, land.solve, land.compile, key=lambda p: p.name)
