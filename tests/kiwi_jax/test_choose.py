@@ -150,16 +150,22 @@ def test_kiwis_plan_runs_when_no_recipe_fits(mesh24):
     assert "none of the 1 recipes fits" in choice.describe()
 
 
+def _counted_recipe_compiles(monkeypatch) -> list:
+    """The decorator's calls of ``compile_recipes`` (each compiles every recipe), recorded."""
+    module, compiled = importlib.import_module("kiwi_jax.optimize"), []
+    real = module.compile_recipes
+    monkeypatch.setattr(module, "compile_recipes",
+                        lambda *a, **k: compiled.append(a) or real(*a, **k))
+    return compiled
+
+
 @pytest.mark.parametrize("recipes", [False, ("fsdp+tp",)], ids=["kiwi-alone", "fsdp+tp"])
 def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, monkeypatch, mesh24):
     """An MLP of dimensions 2x4 does not divide, under the reference plan's predicted peak
     (4,076 B; it compiles to 5,700 B) with one compile: kiwi's plan compiles over the budget;
     ``fsdp+tp`` fits it and runs instead, without the warning. The recipes are compiled once,
     for the budget search and the choice."""
-    module, compiled = importlib.import_module("kiwi_jax.optimize"), []
-    real = module.compile_recipes
-    monkeypatch.setattr(module, "compile_recipes",
-                        lambda *a, **k: compiled.append(a) or real(*a, **k))
+    compiled = _counted_recipe_compiles(monkeypatch)
     ref = build("mlp", layers=2, width=24, in_dim=12, out_dim=12, batch=6)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=recipes,
                              **{**OPTIONS, "memory_budget": 4_076})
@@ -176,10 +182,7 @@ def test_the_budget_search_stops_where_a_recipe_that_fits_is_faster(monkeypatch,
     ``tp`` fits (45,324 B) at est. 0.0153 ms. Plans under less memory are slower still, so
     the search stops after its first compile (of three allowed), and ``tp`` runs; the recipes
     are compiled once, for the search and the choice."""
-    module, compiled = importlib.import_module("kiwi_jax.optimize"), []
-    real = module.compile_recipes
-    monkeypatch.setattr(module, "compile_recipes",
-                        lambda *a, **k: compiled.append(a) or real(*a, **k))
+    compiled = _counted_recipe_compiles(monkeypatch)
     ref = build("mlp", **MLP)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=("tp",),
                              **{**OPTIONS, "memory_budget": 100_000, "fit_compiles": 3})
