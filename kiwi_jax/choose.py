@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from kiwi_jax.compile import CompiledPlan
 from kiwi_jax.recipes import BlockPolicyError, Recipe, all_recipes, compile_recipe
 
-__all__ = ["KIWI", "CHECKPOINTED", "RecipeRow", "Choice", "parse_recipes", "compile_recipes", "choose"]
+__all__ = ["KIWI", "CHECKPOINTED", "RecipeRow", "Choice", "parse_recipes", "compile_recipes", "choose",
+           "fastest_fitting"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ class RecipeRow:
         return self.compiled_bytes is not None and self.compiled_bytes <= budget_bytes
 
 
+def fastest_fitting(rows, budget_bytes: int) -> RecipeRow | None:
+    """The row estimated fastest of those that fit ``budget_bytes`` (None: none fits)."""
+    fitting = [row for row in rows if row.fits(budget_bytes)]
+    return min(fitting, key=lambda row: row.step_seconds) if fitting else None
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.3f} MiB"
 
@@ -129,8 +136,7 @@ class Choice:
     @property
     def best(self) -> RecipeRow | None:
         """The fastest recipe that fits the budget (None: none fits)."""
-        fitting = [r for r in self.recipes if r.fits(self.budget_bytes)]
-        return min(fitting, key=lambda r: r.step_seconds) if fitting else None
+        return fastest_fitting(self.recipes, self.budget_bytes)
 
     def _kiwi(self) -> str:
         if self.kiwi_bytes is None:

@@ -51,7 +51,7 @@ from hlo_tools.graph import Phase
 from kiwi_jax.apply import TracedStep, carried_pairs, in_program_order, trace_for_planning
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
-                             parse_recipes)
+                             fastest_fitting, parse_recipes)
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
@@ -202,8 +202,7 @@ class _RecipeSteps:
 
     def fastest_fitting(self, budget: int) -> RecipeRow | None:
         """The recipe estimated fastest of those that fit ``budget`` once compiled."""
-        rows = [row for row in self.compiled(budget)[0] if row.fits(budget)]
-        return min(rows, key=lambda row: row.step_seconds, default=None)
+        return fastest_fitting(self.compiled(budget)[0], budget)
 
 
 def _signature(args) -> tuple:
