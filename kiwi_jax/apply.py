@@ -34,8 +34,8 @@ from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_orde
 from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
-__all__ = ["TracedStep", "trace_for_planning", "in_program_order", "applied_function",
-           "fingerprint", "carried_pairs", "recomputed_values", "fused_followers"]
+__all__ = ["TracedStep", "trace_for_planning", "in_program_order", "ORDERS", "check_order",
+           "applied_function", "fingerprint", "carried_pairs", "recomputed_values", "fused_followers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +134,22 @@ def _hlo_dtype(aval) -> str:
     return name
 
 
-def in_program_order(num_devices: int) -> bool:
+ORDERS = ("auto", "program", "printed")
+"""The planner's schedule (:func:`in_program_order`): ``auto`` (the program's order on one
+device, the printed order on a mesh), ``program`` or ``printed``."""
+
+
+def check_order(order: str) -> None:
+    """A clear error for a name that is not one of :data:`ORDERS`."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
+
+
+def in_program_order(num_devices: int, order: str = "auto") -> bool:
     """Whether the graph of a step planned for ``num_devices`` devices is numbered in the
-    traced program's order (one device) or in the order XLA prints the lowered module (a
-    mesh); the node order is the planner's schedule (``hlo_tools.graph.build_graph``).
+    traced program's order (``auto``: on one device) or in the order XLA prints the lowered
+    module (``auto``: on a mesh); the node order is the planner's schedule
+    (``hlo_tools.graph.build_graph``). ``order`` is one of :data:`ORDERS`.
 
     The printed order is a post order from the new state: each weight's gradient contraction
     sits beside its optimizer update, after the backward pass of the layers below, and the
@@ -148,8 +160,11 @@ def in_program_order(num_devices: int) -> bool:
     Lynx's plans hid recomputations under gradient all-reduces that the combiner then ran up
     to 296 instructions later (tests/kiwi_jax/test_overlap.py), and the 2x4 fidelity
     study was no better (1 of 8 plans within 10% either way), so a mesh keeps the printed
-    order until the model places combined collectives."""
-    return num_devices == 1
+    order until the model places combined collectives. At the realistic size the fused
+    memory model is measured at, the program's order predicts a mesh's recipes better
+    (docs/recipes.md, "Memory model and order"); ``order="program"`` plans in it."""
+    check_order(order)
+    return order == "program" or (order == "auto" and num_devices == 1)
 
 
 def trace_for_planning(pure: PureStep, traced_order: bool = True) -> TracedStep:

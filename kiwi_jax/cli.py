@@ -46,6 +46,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): values fused into their readers hold no memory "
                         "on one device, every operator's output counts on a mesh; fused or "
                         "operator force one")
+    parser.add_argument("--order", default="auto",
+                        help="the schedule planned in: auto (default): the traced program's "
+                        "order on one device, the order XLA prints the module on a mesh; "
+                        "program or printed force one")
     parser.add_argument("--json", action="store_true", help="print a JSON summary last")
 
 
@@ -72,12 +76,14 @@ def _check_args(args) -> None:
     import solvers
     from kiwi_jax.choose import parse_recipes
     from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
+    from kiwi_jax.apply import check_order
     from kiwi_jax.problem import check_memory_model
 
     try:
         MeshSpec.parse(args.mesh)
         Cluster.parse(args.cluster)
         check_memory_model(args.memory_model)
+        check_order(args.order)
         budget = getattr(args, "budget", None)
         if budget is not None and not budget.strip().endswith("%"):
             parse_bytes(budget)
@@ -101,7 +107,8 @@ def _cmd_problem(args) -> dict:
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
                                       mesh=args.mesh, cluster=args.cluster,
-                                      merge=not args.no_merge, memory_model=args.memory_model)
+                                      merge=not args.no_merge, memory_model=args.memory_model,
+                                      order=args.order)
     summary = build.problem.summary()
     summary.update(model=args.model, cluster=build.cluster.name,
                    unsupported_opcodes=build.unsupported,
@@ -126,7 +133,7 @@ def _cmd_plan(args) -> dict:
     ref = _reference(args)
     build, timings = problem_for_step(ref.train_step, *ref.abstract_init(), ref.abstract_batch(),
                                       mesh=args.mesh, cluster=args.cluster,
-                                      memory_model=args.memory_model)
+                                      memory_model=args.memory_model, order=args.order)
     problem = build.problem
     options = {"backend": args.backend, "time_limit": args.time_limit, "mip_gap": args.gap,
                "seed": args.seed, "threads": args.threads, "reuse_layers": args.reuse_layers}
@@ -241,7 +248,8 @@ def _cmd_verify(args) -> dict:
                     solver=args.solver, backend=args.backend, time_limit=args.time_limit,
                     mip_gap=args.gap, reuse_layers=args.reuse_layers,
                     cache_dir=False if args.no_cache else args.cache_dir,
-                    memory_model=args.memory_model, fit_compiles=args.fit_compiles,
+                    memory_model=args.memory_model, order=args.order,
+                    fit_compiles=args.fit_compiles,
                     recipes=_verify_recipes(args))
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
@@ -337,7 +345,8 @@ def _cmd_compare(args) -> dict:
     result = compare(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()), mesh,
                      recipes=recipes, budgets=budgets, cluster=args.cluster,
                      fit_compiles=args.fit_compiles, time_limit=args.time_limit,
-                     solver=args.solver, memory_model=args.memory_model, progress=progress)
+                     solver=args.solver, memory_model=args.memory_model, order=args.order,
+                     progress=progress)
     print(f"{args.model} on a {args.mesh} mesh ({args.cluster}): compiled per-device memory and "
           "estimated step (compute + collectives of the compiled step)")
     print(result.table())

@@ -32,16 +32,16 @@ def trace_step(train_step, *args) -> tuple[PureStep, OpGraph]:
 
 
 def problem_for_step(train_step, *args, mesh, cluster="v100-nvlink", merge=True,
-                     memory_model="auto") -> tuple[ProblemBuild, dict]:
+                     memory_model="auto", order="auto") -> tuple[ProblemBuild, dict]:
     """Trace ``train_step(*args)`` and build its sharding problem (``memory_model``: see
-    :data:`kiwi_jax.problem.MEMORY_MODELS`).
+    :data:`kiwi_jax.problem.MEMORY_MODELS`; ``order``: :data:`kiwi_jax.apply.ORDERS`).
 
     Returns:
       (build, timings): the problem build and the seconds spent lowering and building.
     """
     start = time.perf_counter()
     traced = trace(train_step, *args,
-                   traced_order=in_program_order(MeshSpec.parse(mesh).num_devices))
+                   traced_order=in_program_order(MeshSpec.parse(mesh).num_devices, order))
     lowered = time.perf_counter()
     build = build_problem(traced.graph, mesh, cluster, merge=merge, memory_model=memory_model,
                           carried=carried_pairs(traced))

@@ -48,7 +48,8 @@ from flax import nnx
 
 import solvers
 from hlo_tools.graph import Phase
-from kiwi_jax.apply import TracedStep, carried_pairs, in_program_order, trace_for_planning
+from kiwi_jax.apply import (TracedStep, carried_pairs, check_order, in_program_order,
+                            trace_for_planning)
 from kiwi_jax.cache import PlanCache, default_cache_dir
 from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
                              fastest_fitting, parse_recipes)
@@ -117,6 +118,10 @@ class Options:
     """How values are charged memory: ``auto`` (values fused into their readers hold none on
     one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
     :data:`kiwi_jax.problem.MEMORY_MODELS`."""
+    order: str = "auto"
+    """The schedule the planner replays (:data:`kiwi_jax.apply.ORDERS`): ``auto`` (the
+    traced program's order on one device, the order XLA prints the module on a mesh),
+    ``program`` or ``printed``; see :func:`kiwi_jax.apply.in_program_order`."""
     fit_compiles: int = FIT_COMPILES
     """Most plans compiled while searching the solver's budget against the compiled step
     (:mod:`kiwi_jax.fit`): until it fits the budget and uses at least 97% of it, or more
@@ -152,8 +157,8 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
              solver=SOLVER_DEFAULTS.solver, backend=SOLVER_DEFAULTS.backend,
              time_limit=SOLVER_DEFAULTS.time_limit, mip_gap=SOLVER_DEFAULTS.mip_gap,
              reuse_layers=SOLVER_DEFAULTS.reuse_layers, cache_dir=None, donate=True,
-             overlap=True, memory_model="auto", fit_compiles=FIT_COMPILES, share_plan=True,
-             sync_timeout=300.0, recipes=True):
+             overlap=True, memory_model="auto", order="auto", fit_compiles=FIT_COMPILES,
+             share_plan=True, sync_timeout=300.0, recipes=True):
     """Plan sharding and recomputation of a Flax train step jointly (KIWI) and run it that way.
 
     Args: see :class:`Options`; the solver's defaults are :data:`solvers.options.DEFAULTS`,
@@ -170,13 +175,14 @@ def optimize(train_step=None, *, mesh, memory_budget, cluster="v100-nvlink",
     MeshSpec.parse(mesh)                      # a clear error for a mesh of the wrong rank
     Cluster.parse(cluster)
     check_memory_model(memory_model)
+    check_order(order)
     if not (isinstance(fit_compiles, int) and fit_compiles >= 0):
         raise ValueError(f"fit_compiles: expected a count of compiles >= 0 (0: no search), "
                          f"got {fit_compiles!r}")
     parse_recipes(recipes)
     options = Options(mesh, memory_budget, cluster, solver, backend, time_limit, mip_gap,
-                      reuse_layers, cache_dir, donate, overlap, memory_model, fit_compiles,
-                      share_plan, sync_timeout, recipes)
+                      reuse_layers, cache_dir, donate, overlap, memory_model, order,
+                      fit_compiles, share_plan, sync_timeout, recipes)
     if train_step is None:
         return functools.partial(OptimizedStep, options=options)
     return OptimizedStep(train_step, options=options)
@@ -276,7 +282,8 @@ class OptimizedStep:
         abstract = PureStep(pure.fn, abstract_arrays(pure.args), pure.style, pure.graphdef,
                             pure.module_positions)
         start = time.perf_counter()
-        traced = trace_for_planning(abstract, in_program_order(options.mesh.devices.size))
+        traced = trace_for_planning(abstract, in_program_order(options.mesh.devices.size,
+                                                                 options.order))
         graph = traced.graph
         if not any(node.phase == Phase.BACKWARD for node in graph.nodes):
             raise NotATrainStepError(
@@ -546,9 +553,9 @@ class OptimizedStep:
         close to the step ``nothing_saveable`` gives, where the search's smallest plans were
         7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem charged
         with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
-        encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' (a
-        byte budget), which leave some values undroppable, the ViT's to 3.2% under it and the
-        mixer's 7.3% over. The plan's ``fit`` record says it was chosen so
+        encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' alone
+        (what a byte budget was planned on before it was charged so too), which leave some
+        values undroppable, the ViT's to 3.2% under it and the mixer's 7.3% over. The plan's ``fit`` record says it was chosen so
         (``FitStop.BLOCKS``)."""
         options = self.options
         try:
@@ -616,7 +623,7 @@ class OptimizedStep:
                              budget=options.memory_budget, cluster=build.cluster.name,
                              solver=options.solver, backend=options.backend,
                              reuse_layers=options.reuse_layers, mip_gap=options.mip_gap,
-                             memory_model=options.memory_model,
+                             memory_model=options.memory_model, order=options.order,
                              fit_compiles=options.fit_compiles)
 
     def _cache(self, traced: TracedStep, build: ProblemBuild):
@@ -632,15 +639,15 @@ class OptimizedStep:
         """The cached plan, or a new one; whether it came from the cache; the problem it was
         solved on; and, instead of a plan, the model's error for a budget it has no plan
         under. ``compiled`` gets the plans compiled on the way (the reference plan, for a
-        percentage).
+        percentage or the fused memory model).
 
         Where the solver finds no plan under the budget (none in its program, or none in its
         time limit), it is run again from the fastest of ``recipes`` whose plan fits the budget
         as the simulator replays it (:func:`kiwi_jax.recipe_plan.best_recipe_start`): its
         answer is that plan or a faster one.
 
-        With the fused memory model, the reference plan compiled for a percentage says which
-        values XLA stores: the problem is rebuilt with them charged
+        With the fused memory model, the reference plan, compiled, says which values XLA
+        stores: the problem is rebuilt with them charged
         (:func:`kiwi_jax.problem.with_stored`), and the plan solved, or the reference plan
         when it runs, is predicted on it."""
         cache, key = self._cache(traced, build)
@@ -685,20 +692,23 @@ class OptimizedStep:
 
     def _budget_bytes(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:
-        """The budget in bytes per device, and the reference plan when the budget is a
-        percentage. A percentage is of the reference plan's compiled memory (argument +
-        output + temp - alias), what the step takes without recomputation as XLA counts it:
+        """The budget in bytes per device, and the reference plan, compiled, when the budget
+        is a percentage or the memory model is the fused one (whose values XLA stores are read
+        from that compile). A percentage is of the reference plan's compiled memory (argument
+        + output + temp - alias), what the step takes without recomputation as XLA counts it:
         the model's prediction of it misses what the model does not count (on the one-device
         zoo ViT 1,585,388 B predicted, 1,946,468 B compiled), and "100%" of a prediction that
         low is a budget the reference plan itself does not fit."""
         options = self.options
         fraction = budget_fraction(options.memory_budget)
-        if fraction is None:
+        if fraction is None and build.memory_model != "fused":
             return parse_bytes(options.memory_budget), None
         solution = reference_solution(build.problem, **options.solver_options())
         reference = plan_from_solution(build, solution, solution.peak_bytes)
         applied = compiled[reference.fingerprint] = self._apply(traced, build, reference,
                                                                 abstract)
+        if fraction is None:
+            return parse_bytes(options.memory_budget), reference
         budget = int(fraction * applied.memory.peak_bytes)
         log.info("%s: a budget of %s is %d B per device: the reference plan compiles to %d B "
                  "(predicted %d B)", self.__name__, options.memory_budget, budget,

@@ -26,7 +26,7 @@ from kiwi_jax.plan import Plan
 from hlo_tools.compiled import LiveBuffer, device_memory
 from hlo_tools.graph import Phase
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.interpret import tag_of
+from kiwi_jax.interpret import program_order, tag_of
 from kiwi_jax.verify import TOLERANCE, _memory_disagreements
 from solvers.simulator import live_bytes
 
@@ -342,6 +342,30 @@ def test_negative_fit_compiles_is_refused(mesh24):
 def test_unknown_memory_model_is_named(mesh24):
     with pytest.raises(ValueError, match=r"unknown memory_model 'xla'.*'auto', 'operator'"):
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", memory_model="xla")
+
+
+def test_unknown_order_is_named(mesh24):
+    with pytest.raises(ValueError, match=r"unknown order 'xla'.*'program', 'printed'"):
+        kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", order="xla")
+
+
+def test_a_mesh_plans_in_the_programs_order_and_fused_bytes_charge_what_xla_stores(mesh24):
+    # order="program" numbers a mesh's graph in the traced program's order (the printed
+    # order is the mesh's default), and the fused model charges what the compiled reference
+    # stores for a budget in bytes as it does for a percentage.
+    step, args = _step("gpt", mesh24, budget="64MiB", memory_model="fused", order="program")
+    prepared = step.lower(*args)
+    graph, build_ = prepared.traced.graph, prepared.build
+    keys = [k for k in map(program_order, (n.op_name for n in graph.nodes)) if k is not None]
+    assert keys == sorted(keys)
+    by_rules = build_problem(graph, build_.mesh, build_.cluster, memory_model="fused",
+                             carried=carried_pairs(prepared.traced), donated=True)
+    assert build_.memory_model == "fused"
+    assert any(not np.array_equal(charged, rules) for charged, rules
+               in zip(build_.problem.memory, by_rules.problem.memory))
+    printed = _step("gpt", mesh24, budget="64MiB")[0].lower(*args).traced.graph
+    keys = [k for k in map(program_order, (n.op_name for n in printed.nodes)) if k is not None]
+    assert keys != sorted(keys)
 
 
 def test_keyword_arguments_are_refused(mesh24):

@@ -325,6 +325,8 @@ def test_cli_reports_bad_input(capsys):
     assert "resnet" in capsys.readouterr().err
     assert main(["problem", "--model", "mlp", "--memory-model", "xla"]) == 2
     assert "unknown memory_model 'xla'" in capsys.readouterr().err
+    assert main(["problem", "--model", "mlp", "--order", "xla"]) == 2
+    assert "unknown order 'xla'" in capsys.readouterr().err
 
 
 def test_cli_memory_model_reaches_the_problem(capsys):
