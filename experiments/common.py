@@ -221,14 +221,16 @@ class PlanCompiler:
         self._setup(ref.train_step, (*ref.abstract_init(), ref.abstract_batch()), mesh, cluster)
 
     @classmethod
-    def for_step(cls, train_step, args, mesh: str, cluster: str = "v100-nvlink"):
+    def for_step(cls, train_step, args, mesh: str, cluster: str = "v100-nvlink",
+                 memory_model: str = "auto", order: str = "auto"):
         """The compiler of any train step (a zoo model's, say) at ``args`` (abstract or
-        concrete)."""
+        concrete); ``memory_model`` and ``order`` as for :func:`kiwi_jax.optimize`."""
         compiler = cls.__new__(cls)
-        compiler._setup(train_step, tuple(args), mesh, cluster)
+        compiler._setup(train_step, tuple(args), mesh, cluster, memory_model, order)
         return compiler
 
-    def _setup(self, train_step, args: tuple, mesh: str, cluster: str) -> None:
+    def _setup(self, train_step, args: tuple, mesh: str, cluster: str,
+               memory_model: str = "auto", order: str = "auto") -> None:
         import jax
 
         from kiwi_jax.apply import carried_pairs, in_program_order
@@ -238,10 +240,11 @@ class PlanCompiler:
 
         spec = MeshSpec.parse(mesh)
         self.train_step, self.args = train_step, args
-        self.traced = trace(train_step, *args, traced_order=in_program_order(spec.num_devices))
+        in_order = in_program_order(spec.num_devices, order)
+        self.traced = trace(train_step, *args, traced_order=in_order)
         self.pure = self.traced.pure
         self.build = build_problem(self.traced.graph, spec, Cluster.parse(cluster),
-                                   carried=carried_pairs(self.traced))
+                                   carried=carried_pairs(self.traced), memory_model=memory_model)
         size = spec.shape[0] * spec.shape[1]
         self.mesh = jax.make_mesh(spec.shape, ("data", "model"), devices=jax.devices()[:size],
                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -16,7 +16,8 @@ The summary has Kendall's tau of the predicted steps against the compiled recipe
 (does the model rank the recipes as the compiled programs do?) and the memory ratios.
 
 Usage: python -m experiments.recipe_plans [--json] [--zoo llama | --model gpt] [--mesh 2x4]
-       [--layers 2 --dim 16 ...] [--recipes dp fsdp ...] [--name recipe_plans]
+       [--layers 2 --dim 16 ...] [--recipes dp fsdp ...] [--memory-model auto]
+       [--order auto] [--name recipe_plans]
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> dict:
+    import solvers
+    from kiwi_jax.apply import ORDERS
+    from kiwi_jax.plan import plan_from_solution
+    from kiwi_jax.problem import MEMORY_MODELS
     from kiwi_jax.recipes import Recipe, all_recipes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,12 +102,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--cluster", default="v100-nvlink")
     parser.add_argument("--recipes", nargs="+", default=None, help="default: all twelve")
+    parser.add_argument("--memory-model", default="auto", choices=MEMORY_MODELS,
+                        help="fused: the values the reference plan compiled stores charged, "
+                             "as the decorator does")
+    parser.add_argument("--order", default="auto", choices=ORDERS,
+                        help="the schedule replayed (kiwi_jax.optimize's order)")
     parser.add_argument("--name", default="recipe_plans", help="results/<name>.json")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     sizes = model_sizes(args)
     name, step, example = model_step(args, sizes)
-    compiler = PlanCompiler.for_step(step, example, args.mesh, args.cluster)
+    compiler = PlanCompiler.for_step(step, example, args.mesh, args.cluster, args.memory_model,
+                                     args.order)
+    if compiler.build.memory_model == "fused":
+        reference = solvers.reference_plan(compiler.build.problem)
+        compiler.charge_stored(plan_from_solution(compiler.build, reference,
+                                                  reference.peak_bytes))
     recipes = [Recipe.parse(r) for r in args.recipes] if args.recipes else all_recipes()
     rows = []
     for recipe in recipes:
@@ -110,6 +125,7 @@ def main(argv=None) -> dict:
         print(f"{recipe.name}: predicted {rows[-1]['predicted_peak_bytes']:,} B, compiled "
               f"{rows[-1]['recipe_bytes']:,} B", flush=True)
     result = {"model": name, "sizes": sizes, "mesh": args.mesh, "cluster": args.cluster,
+              "memory_model": compiler.build.memory_model, "order": args.order,
               "operators": int(compiler.build.problem.num_nodes), "rows": rows,
               "summary": summary(rows)}
     print(table(rows))

@@ -13,7 +13,8 @@ with abstract arguments (nothing runs).
 
 Usage: python -m experiments.vs_recipes [--json] [--quick] [--zoo llama | --model gpt]
        [--layers 4 --dim 64 ...] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
-       [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60] [--name vs_recipes]
+       [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60]
+       [--memory-model auto] [--order auto] [--name vs_recipes]
        python -m experiments.vs_recipes --replot results/vs_recipes.json   # its PNG again
 Writes results/<NAME>.json and results/<NAME>.png (compiled memory against estimated step:
 recipes as labelled points, kiwi as a curve); prints the JSON as the last line with ``--json``.
@@ -38,9 +39,11 @@ import jax  # noqa: E402
 
 from experiments import zoo  # noqa: E402
 from experiments.common import pyplot, results_path, save_figure, write_result  # noqa: E402
+from kiwi_jax.apply import ORDERS  # noqa: E402
 from kiwi_jax.cluster import MeshSpec, parse_bytes  # noqa: E402
 from kiwi_jax.compare import Comparison, Row, compare, draw  # noqa: E402
 from kiwi_jax.models import build  # noqa: E402
+from kiwi_jax.problem import MEMORY_MODELS  # noqa: E402
 
 SIZE_FLAGS = ("layers", "dim", "hidden", "heads", "kv_heads", "seq", "batch", "vocab", "width")
 """Size options passed to the model (those it takes: ``dim``/``kv_heads`` for the zoo
@@ -109,14 +112,16 @@ def run(args, sizes: dict, recipes, budgets, fit_compiles: int, name: str,
     result = compare(step, example, mesh, recipes=recipes, budgets=budgets,
                      cluster=args.cluster, fit_compiles=fit_compiles,
                      time_limit=args.time_limit, progress=_progress,
-                     max_budgets=max_budgets)
+                     max_budgets=max_budgets, memory_model=args.memory_model,
+                     order=args.order)
     print(f"{model} {sizes} on a {args.mesh} mesh ({args.cluster}): compiled memory per device "
           "and estimated step of the compiled program")
     print(result.table())
     rows = [{**r.to_dict()} for r in (*result.recipes, *result.kiwi)]
     out = {"study": name, "model": model, "sizes": sizes, "mesh": args.mesh,
            "command": " ".join(["python -m experiments.vs_recipes", *sys.argv[1:]]),
-           "cluster": args.cluster, "fit_compiles": fit_compiles, "rows": rows,
+           "cluster": args.cluster, "fit_compiles": fit_compiles,
+           "memory_model": args.memory_model, "order": args.order, "rows": rows,
            "wall_seconds": round(time.perf_counter() - start, 1)}
     _figure(result, f"{model} on {args.mesh}: recipes vs kiwi (compiled)",
             results_path(f"{name}.png"))
@@ -138,6 +143,10 @@ def main(argv=None) -> dict:
                         "memories as kiwi's budgets, smallest to largest (0: no kiwi rows)")
     parser.add_argument("--fit-compiles", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per plan")
+    parser.add_argument("--memory-model", default="auto", choices=MEMORY_MODELS,
+                        help="kiwi's memory model (kiwi_jax.optimize's memory_model)")
+    parser.add_argument("--order", default="auto", choices=ORDERS,
+                        help="the schedule kiwi plans in (kiwi_jax.optimize's order)")
     parser.add_argument("--name", default="vs_recipes", help="results/<name>.json and .png")
     parser.add_argument("--quick", action="store_true",
                         help="the reference MLP of width 16, two recipes, one budget")
