@@ -74,9 +74,9 @@ def _check_args(args) -> None:
     backend, verify's recipes) before any work, so a typo is a usage error rather than a
     failure later on."""
     import solvers
+    from kiwi_jax.apply import check_order
     from kiwi_jax.choose import parse_recipes
     from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
-    from kiwi_jax.apply import check_order
     from kiwi_jax.problem import check_memory_model
 
     try:
