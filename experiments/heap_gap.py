@@ -18,7 +18,7 @@ as they alias the donated arguments) packed the way XLA's default heap does
 stage-level lifetimes.
 
 Usage: python -m experiments.heap_gap [--models llama vit ...] [--meshes 2x4]
-       [--budgets 100% 80%] [--memory-model auto] [--time-limit 60] [--name heap_gap] [--json]
+       [--budgets 100% 80%] [--memory-model auto] [--order auto] [--time-limit 60] [--name heap_gap] [--json]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from experiments import zoo  # noqa: E402
 from experiments.common import write_result  # noqa: E402
 from experiments.zoo_study import _mesh  # noqa: E402
 from hlo_tools.compiled import live_at_peak  # noqa: E402
+from kiwi_jax.apply import ORDERS  # noqa: E402
 from kiwi_jax.compile import compiler_options  # noqa: E402
 from kiwi_jax.problem import MEMORY_MODELS  # noqa: E402
 from solvers.phase import Phase  # noqa: E402
@@ -73,14 +74,16 @@ def best_fit_heap(held, alignment: int = ALIGNMENT) -> int:
 
 
 def cell(name: str, mesh: str, budget: str, time_limit: float,
-         memory_model: str = "auto") -> dict:
+         memory_model: str = "auto", order: str = "auto") -> dict:
     """One model, mesh and budget: the plan's peak three ways."""
-    row = {"model": name, "mesh": mesh, "budget": budget, "memory_model": memory_model}
+    row = {"model": name, "mesh": mesh, "budget": budget, "memory_model": memory_model,
+           "order": order}
     step, args = zoo.make(name, abstract=False, seed=0)
     try:
         prepared = kiwi_jax.optimize(step, mesh=_mesh(mesh), memory_budget=budget,
                                      time_limit=time_limit, cache_dir=False, recipes=False,
-                                     fit_compiles=0, memory_model=memory_model).lower(*args)
+                                     fit_compiles=0, memory_model=memory_model,
+                                     order=order).lower(*args)
     except Exception as error:  # every failure is a row
         return row | {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     problem, plan = prepared.build.problem, prepared.plan
@@ -112,6 +115,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budgets", nargs="+", default=["100%", "80%"])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--memory-model", default="auto", choices=MEMORY_MODELS)
+    parser.add_argument("--order", default="auto", choices=ORDERS)
     parser.add_argument("--name", default="heap_gap", help="results/<name>.json")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -122,7 +126,8 @@ def main(argv=None) -> dict:
     for mesh in args.meshes:
         for model in args.models:
             for budget in args.budgets:
-                row = cell(model, mesh, budget, args.time_limit, args.memory_model)
+                row = cell(model, mesh, budget, args.time_limit, args.memory_model,
+                           args.order)
                 result["rows"].append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr, flush=True)
                 result["wall_seconds"] = round(time.perf_counter() - start, 1)
