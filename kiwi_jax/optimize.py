@@ -555,8 +555,8 @@ class OptimizedStep:
         with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
         encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' alone
         (what a byte budget was planned on before it was charged so too), which leave some
-        values undroppable, the ViT's to 3.2% under it and the mixer's 7.3% over. The plan's ``fit`` record says it was chosen so
-        (``FitStop.BLOCKS``)."""
+        values undroppable, the ViT's to 3.2% under it and the mixer's 7.3% over. The plan's
+        ``fit`` record says it was chosen so (``FitStop.BLOCKS``)."""
         options = self.options
         try:
             solution = solvers.solve(build.problem, None, solver="alpa+full",
