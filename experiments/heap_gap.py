@@ -18,7 +18,8 @@ as they alias the donated arguments) packed the way XLA's default heap does
 stage-level lifetimes.
 
 Usage: python -m experiments.heap_gap [--models llama vit ...] [--meshes 2x4]
-       [--budgets 100% 80%] [--memory-model auto] [--order auto] [--time-limit 60] [--name heap_gap] [--json]
+       [--budgets 100% 80%] [--memory-model auto] [--order auto]
+       [--time-limit 60] [--name heap_gap] [--json]
 """
 
 from __future__ import annotations

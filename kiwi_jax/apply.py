@@ -35,7 +35,8 @@ from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
 __all__ = ["TracedStep", "trace_for_planning", "in_program_order", "ORDERS", "check_order",
-           "applied_function", "fingerprint", "carried_pairs", "recomputed_values", "fused_followers"]
+           "applied_function", "fingerprint", "carried_pairs", "recomputed_values",
+           "fused_followers"]
 
 
 @dataclasses.dataclass(frozen=True)

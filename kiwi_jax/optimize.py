@@ -117,7 +117,10 @@ class Options:
     memory_model: str = "auto"
     """How values are charged memory: ``auto`` (values fused into their readers hold none on
     one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
-    :data:`kiwi_jax.problem.MEMORY_MODELS`."""
+    :data:`kiwi_jax.problem.MEMORY_MODELS`. With the fused model the values the compiled
+    reference plan stores are charged for a percentage; for a budget in bytes only when
+    ``fused`` is asked for (one more compile): on one device ``auto`` plans a byte budget on
+    the fusion rules alone, which kept the zoo mixer's faster plans (docs/benchmarks.md)."""
     order: str = "auto"
     """The schedule the planner replays (:data:`kiwi_jax.apply.ORDERS`): ``auto`` (the
     traced program's order on one device, the order XLA prints the module on a mesh),
@@ -553,10 +556,10 @@ class OptimizedStep:
         close to the step ``nothing_saveable`` gives, where the search's smallest plans were
         7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem charged
         with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
-        encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' alone
-        (what a byte budget was planned on before it was charged so too), which leave some
-        values undroppable, the ViT's to 3.2% under it and the mixer's 7.3% over. The plan's
-        ``fit`` record says it was chosen so (``FitStop.BLOCKS``)."""
+        encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' (a
+        byte budget with ``memory_model="auto"``), which leave some values undroppable, the
+        ViT's to 3.2% under it and the mixer's 7.3% over. The plan's ``fit`` record says it
+        was chosen so (``FitStop.BLOCKS``)."""
         options = self.options
         try:
             solution = solvers.solve(build.problem, None, solver="alpa+full",
@@ -639,15 +642,15 @@ class OptimizedStep:
         """The cached plan, or a new one; whether it came from the cache; the problem it was
         solved on; and, instead of a plan, the model's error for a budget it has no plan
         under. ``compiled`` gets the plans compiled on the way (the reference plan, for a
-        percentage or the fused memory model).
+        percentage or ``memory_model="fused"``).
 
         Where the solver finds no plan under the budget (none in its program, or none in its
         time limit), it is run again from the fastest of ``recipes`` whose plan fits the budget
         as the simulator replays it (:func:`kiwi_jax.recipe_plan.best_recipe_start`): its
         answer is that plan or a faster one.
 
-        With the fused memory model, the reference plan, compiled, says which values XLA
-        stores: the problem is rebuilt with them charged
+        With the fused memory model, the reference plan, compiled (:meth:`_budget_bytes`),
+        says which values XLA stores: the problem is rebuilt with them charged
         (:func:`kiwi_jax.problem.with_stored`), and the plan solved, or the reference plan
         when it runs, is predicted on it."""
         cache, key = self._cache(traced, build)
@@ -693,15 +696,15 @@ class OptimizedStep:
     def _budget_bytes(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:
         """The budget in bytes per device, and the reference plan, compiled, when the budget
-        is a percentage or the memory model is the fused one (whose values XLA stores are read
-        from that compile). A percentage is of the reference plan's compiled memory (argument
+        is a percentage or ``memory_model="fused"`` was asked for (the values XLA stores are
+        read from that compile; see :attr:`Options.memory_model`). A percentage is of the reference plan's compiled memory (argument
         + output + temp - alias), what the step takes without recomputation as XLA counts it:
         the model's prediction of it misses what the model does not count (on the one-device
         zoo ViT 1,585,388 B predicted, 1,946,468 B compiled), and "100%" of a prediction that
         low is a budget the reference plan itself does not fit."""
         options = self.options
         fraction = budget_fraction(options.memory_budget)
-        if fraction is None and build.memory_model != "fused":
+        if fraction is None and options.memory_model != "fused":
             return parse_bytes(options.memory_budget), None
         solution = reference_solution(build.problem, **options.solver_options())
         reference = plan_from_solution(build, solution, solution.peak_bytes)

@@ -8,15 +8,12 @@ import pytest
 from flax import nnx
 from jax.extend.core import Literal
 
+import kiwi_jax
 from experiments import zoo
 from hlo_tools.compiled import device_memory
 from hlo_tools.liveness import fused_values
-from kiwi_jax.apply import applied_function, carried_pairs, fused_followers
-from kiwi_jax.cluster import Cluster, MeshSpec
-from kiwi_jax.compile import compile_plan, compiler_options, jit_step
-from kiwi_jax.frontend import trace
-from kiwi_jax.plan import solve_plan
-from kiwi_jax.problem import build_problem
+from kiwi_jax.apply import applied_function, fused_followers
+from kiwi_jax.compile import compiler_options, jit_step
 from kiwi_jax.interpret import Interpreter, is_backward, is_unit, trace_flat
 from kiwi_jax.step import functionalize
 
@@ -59,18 +56,17 @@ def test_recomputed_attention_probabilities_are_not_held_from_the_forward_pass(j
 def test_values_fused_into_their_readers_are_recomputed_with_what_they_read():
     # One device, the fused memory model: GELU's 1 - tanh is stored by no one; read as the
     # forward pass left it, XLA fuses its elementwise chain into the backward reader, which
-    # then holds the MLP's product the plan dropped, in every layer. (The problem of the
-    # fusion rules alone: the decorator also charges what the compiled reference stores, and
-    # alpa+full then keeps other values.)
+    # then holds the MLP's product the plan dropped, in every layer. (Bytes, not "100%": a
+    # percentage also charges what the compiled reference stores, and alpa+full then keeps
+    # other values.)
     step, args = zoo.make("vit", abstract=True, seed=0)
     mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    traced = trace(step, *args)
-    build = build_problem(traced.graph, MeshSpec.parse("1x1"), Cluster.parse("v100-nvlink"),
-                          carried=carried_pairs(traced))
-    assert build.memory_model == "fused"
-    plan = solve_plan(build, "1GiB", solver="alpa+full")
-    applied = compile_plan(traced, build, plan, mesh, traced.pure)
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="1GiB", solver="alpa+full",
+                                  cache_dir=False, fit_compiles=0, recipes=False)
+    prepared = optimized.lower(*args)
+    assert prepared.build.memory_model == "fused"
+    traced, plan = prepared.traced, prepared.plan
     followers = fused_followers(traced.graph, fused_values(traced.graph), set(plan.recomputed))
     assert followers
 
@@ -78,8 +74,8 @@ def test_values_fused_into_their_readers_are_recomputed_with_what_they_read():
         fn, ins, outs = applied_function(traced, list(plan.specs), plan.recomputed, mesh,
                                          fused=fused)
         jitted, _ = jit_step(fn, ins, outs, traced.state_out)
-        compiled = jitted.lower(*traced.pure.args).compile(compiler_options())
+        compiled = jitted.lower(*prepared.traced.pure.args).compile(compiler_options())
         return device_memory(compiled).peak_bytes
 
     product = 8 * 17 * 64 * 4              # one layer's MLP product (batch, tokens, mlp_dim)
-    assert peak(None) - applied.memory.peak_bytes >= 3 * product
+    assert peak(None) - prepared.applied.memory.peak_bytes >= 3 * product
