@@ -697,11 +697,12 @@ class OptimizedStep:
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:
         """The budget in bytes per device, and the reference plan, compiled, when the budget
         is a percentage or ``memory_model="fused"`` was asked for (the values XLA stores are
-        read from that compile; see :attr:`Options.memory_model`). A percentage is of the reference plan's compiled memory (argument
-        + output + temp - alias), what the step takes without recomputation as XLA counts it:
-        the model's prediction of it misses what the model does not count (on the one-device
-        zoo ViT 1,585,388 B predicted, 1,946,468 B compiled), and "100%" of a prediction that
-        low is a budget the reference plan itself does not fit."""
+        read from that compile; see :attr:`Options.memory_model`). A percentage is of the
+        reference plan's compiled memory (argument + output + temp - alias), what the step
+        takes without recomputation as XLA counts it: the model's prediction of it misses what
+        the model does not count (on the one-device zoo ViT 1,585,388 B predicted, 1,946,468 B
+        compiled), and "100%" of a prediction that low is a budget the reference plan itself
+        does not fit."""
         options = self.options
         fraction = budget_fraction(options.memory_budget)
         if fraction is None and options.memory_model != "fused":
