@@ -52,7 +52,7 @@ _ADVICE["send"] = _ADVICE["recv"] = ("expected no host or peer transfer inside t
 ZERO_FLOP_OPCODES = frozenset({
     "parameter", "constant", "iota", "broadcast", "reshape", "transpose", "bitcast", "copy",
     "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "convert",
-    "optimization-barrier", "reverse", "gather",
+    "opt-barrier", "reverse", "gather",
 })
 _LAYER = re.compile(r"layer_(\d+)")
 

@@ -28,7 +28,7 @@ from hlo_tools.hlo_text import Computation, HloModule, HloParseError, parse_modu
 __all__ = ["Kernel", "kernels", "NOT_KERNELS"]
 
 NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-                         "partition-id", "replica-id", "after-all", "optimization-barrier"})
+                         "partition-id", "replica-id", "after-all", "opt-barrier"})
 """Entry instructions that run no kernel: inputs, constants, views and tuple plumbing."""
 _NO_FLOPS = frozenset({"tuple", "get-tuple-element", "partition-id", "replica-id",
                        "after-all", "custom-call"})

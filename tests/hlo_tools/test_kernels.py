@@ -57,6 +57,18 @@ def test_kernels_of_literal_hlo():
     )
 
 
+def test_an_optimization_barrier_is_no_kernel():
+    # Its outputs alias its operands: it moves nothing. Counted, a plan's recomputations
+    # (one barrier each) were priced at the bytes of every value they tie.
+    text = ("HloModule m\n\nENTRY %m (a: f32[8]) -> f32[8] {\n"
+            "  %a = f32[8]{0} parameter(0)\n"
+            "  %t = (f32[8]{0}) tuple(%a)\n"
+            "  %ob = (f32[8]{0}) opt-barrier(%t)\n"
+            "  %g = f32[8]{0} get-tuple-element(%ob), index=0\n"
+            "  ROOT %n = f32[8]{0} negate(%g)\n}\n")
+    assert kernels(text) == (Kernel("n", "negate", 8, 2 * 8 * F32),)
+
+
 def test_kernel_reading_an_undefined_operand_is_refused():
     text = ("HloModule m\n\nENTRY %m () -> f32[2] {\n"
             "  ROOT %n = f32[2]{0} negate(%nowhere)\n}\n")
