@@ -36,7 +36,7 @@ from kiwi_jax.step import PureStep, carried_state
 
 __all__ = ["TracedStep", "trace_for_planning", "in_program_order", "ORDERS", "check_order",
            "applied_function", "fingerprint", "carried_pairs", "recomputed_values",
-           "fused_followers"]
+           "fused_followers", "fused_leaders"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,10 +285,14 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
 
 def recomputed_values(graph, recompute_nodes, fused: np.ndarray | None = None) -> set[int]:
     """The values the applied step recomputes: the plan's (``recompute_nodes``) and, with the
-    fused model's flags ``fused``, their :func:`fused_followers`."""
+    fused model's flags ``fused``, the fused values recomputed with them, their
+    :func:`fused_followers` and :func:`fused_leaders`, until neither adds one."""
     out = {int(n) for n in recompute_nodes}
-    if fused is not None:
-        out |= fused_followers(graph, fused, out)
+    while fused is not None:
+        more = fused_followers(graph, fused, out) | fused_leaders(graph, fused, out)
+        if more <= out:
+            break
+        out |= more
     return out
 
 
@@ -308,6 +312,26 @@ def fused_followers(graph, fused: np.ndarray, recompute_nodes: set[int]) -> set[
     for node in graph.nodes:                         # topological: operands come first
         if fused[node.id] and node.phase == Phase.FORWARD and node.id not in recompute_nodes \
                 and any(o in recompute_nodes or o in out for o in node.operands):
+            out.add(node.id)
+    return out
+
+
+def fused_leaders(graph, fused: np.ndarray, recompute_nodes: set[int]) -> set[int]:
+    """The forward values counted as fused into their readers (``fused``) that a recomputed
+    value reads, directly or through other such values: they are recomputed for it.
+
+    The fused memory model stores none of them: a recomputation holds the stored values they
+    read (:func:`hlo_tools.liveness.held_operands`). Read as the forward pass left them, XLA
+    stores them from the forward pass to the recomputation instead: on the reference GPT
+    (2 layers, hidden 512, seq 512, batch 8, vocab 2048) planned for 60% on 2x4 with the fused
+    model in the program's order, GELU's bias add and the argument of its ``tanh`` in each
+    layer, read by the recomputed ``tanh``, stayed alive, and the step compiled to
+    114,275,604 B; with them recomputed, 102,053,460 B, its kernels estimated at 2.66 ms
+    against 2.59 ms."""
+    out: set[int] = set()
+    for node in reversed(graph.nodes):                 # readers come first
+        if fused[node.id] and node.phase == Phase.FORWARD and node.id not in recompute_nodes \
+                and any(u in recompute_nodes or u in out for u in graph.users[node.id]):
             out.add(node.id)
     return out
 

@@ -79,11 +79,12 @@ def test_the_reference_plan_exports_a_policy_that_saves_every_named_value_read_b
 
 
 def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
-    # 92%: at 90% the model has no plan on one device (it counts the norms' broadcasts XLA
-    # holds whatever is recomputed); the plan at 92% recomputes 17 values per layer
+    # 90%: the plan recomputes 11 values per layer, the attention context among them (at
+    # 92% the first plan compiles 8% under its budget, and the one the budget search loosens
+    # to drops no named value)
     mesh = _mesh((1, 1))
     reference = _planned("100%", mesh).export()
-    optimized = _planned("92%", mesh)
+    optimized = _planned("90%", mesh)
     export = optimized.export()
     dropped = set(reference.layers[0].names) - set(export.layers[0].names)
     assert dropped and all(layer.recomputed > 0 for layer in export.layers)
@@ -171,12 +172,13 @@ def test_policy_of_every_layer_needs_layers_that_save_alike():
 
 
 def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_smaller():
-    # the zoo ViT on one device at 80%: recomputed value by value, kiwi's plans compiled over
-    # the budget already at 90% (1.052 of it); the plan that runs fits, as its export where
-    # value by value it does not
-    step, args = zoo.make("vit")
+    # the zoo Llama on one device at 60%: recomputed value by value, its plan compiles to 1.18
+    # of the budget; the plan that runs fits, as its export (the zoo ViT and mixer, which
+    # needed it until their recomputations ran behind one barrier per reader, fit value by
+    # value down to 65% and 60%)
+    step, args = zoo.make("llama")
     mesh = _mesh((1, 1))
-    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="80%", cache_dir=False,
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="60%", cache_dir=False,
                                   recipes=False)
     prepared = optimized.lower(*args)
     plan, applied = prepared.plan, prepared.applied
@@ -192,8 +194,8 @@ def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_sm
 
 def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_search_fits():
     # a two-block zoo ViT at nothing_saveable's compiled memory, one compile for the search:
-    # its plan compiles over, and the planner's whole-block recomputation, run as its export,
-    # fits (the three-block ViT: 1.257 of it at the first compile, 1.099 at best in six)
+    # its plan compiles over, and the planner's whole-block recomputation fits (value by
+    # value since its recomputations run behind one barrier per reader; as its export before)
     step, args = zoo.make("vit", depth=2)
     mesh = _mesh((1, 1))
     budget = compile_recipe(step, args, mesh, "dp/nothing_saveable").memory.peak_bytes
@@ -202,6 +204,6 @@ def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_searc
     prepared = optimized.lower(*args)
     plan, applied = prepared.plan, prepared.applied
     assert plan.fit.stop == FitStop.BLOCKS and plan.fit.trials[0].compiled_peak_bytes > budget
-    assert plan.solver == "alpa+full" and applied.program == "blocks"
+    assert plan.solver == "alpa+full"
     assert plan.fit.fits and applied.memory.peak_bytes <= budget
     assert "whole-block recomputation" in optimized.explain()

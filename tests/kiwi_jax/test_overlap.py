@@ -41,9 +41,9 @@ def test_hidden_recomputations_are_scheduled_before_their_collective(overlapped)
     for p in placed:
         assert p.collective is not None and p.collective_index > p.index
         # XLA may schedule one planned resharding between them: measured, the embedding
-        # gradient's operand all-to-all before the combined gradient all-reduce
+        # gradient's operand all-to-all before the combined gradient all-reduce (for both
+        # recomputations since they run behind one barrier per reader; for one before)
         assert p.between <= 1, f"{p.name}: {p.between} collectives before its own"
-    assert sum(p.between == 0 for p in placed) >= len(placed) - 1
 
 
 def test_without_overlap_nothing_is_placed_beside_a_collective():
@@ -61,8 +61,11 @@ def test_overlap_changes_where_values_are_recomputed_not_what_the_step_computes(
         runs.append((losses, nnx.state(model)))
     (overlap_losses, overlap_state), (demand_losses, demand_state), (plain_losses, plain_state) \
         = runs
-    assert overlap_losses == demand_losses
-    assert max_rel_diff(overlap_state, demand_state) == 0.0
+    # the same values, recomputed elsewhere: XLA fuses the recomputations into different
+    # kernels, which round differently (5.8e-7 after two steps; bit for bit while each
+    # recomputation had a barrier of its own)
+    np.testing.assert_allclose(overlap_losses, demand_losses, rtol=1e-6)
+    assert max_rel_diff(overlap_state, demand_state) < 1e-5
     np.testing.assert_allclose(overlap_losses, plain_losses, rtol=1e-5)
     # The plan's sharding reorders reductions; after two Adam steps the parameters differ from
     # the plain step's by 2.7e-5 (norm-relative), with or without overlap.
