@@ -35,6 +35,8 @@ top level or in an unrolled scan body, whose outputs are dropped after the forwa
 recomputed right before their first backward reader, at top level or in an unrolled backward
 scan, behind an optimization barrier tied to that reader's other inputs, as ``jax.checkpoint``
 does internally; when none of them was reached by the cotangents, to the last value that was.
+The values recomputed for one reader share the barrier, and only what the forward pass left
+goes through it.
 The backward pass reads the tied values out of the barrier from then on: XLA drops a barrier's
 outputs that nothing reads, and the recomputation is then free to run as early as its inputs
 allow). Dropped values are followed by identity through the scans' plumbing (a
