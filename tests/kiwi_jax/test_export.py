@@ -173,9 +173,7 @@ def test_policy_of_every_layer_needs_layers_that_save_alike():
 
 def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_smaller():
     # the zoo Llama on one device at 60%: recomputed value by value, its plan compiles to 1.18
-    # of the budget; the plan that runs fits, as its export (the zoo ViT and mixer, which
-    # needed it until their recomputations ran behind one barrier per reader, fit value by
-    # value down to 65% and 60%)
+    # of the budget; the plan that runs fits, as its export
     step, args = zoo.make("llama")
     mesh = _mesh((1, 1))
     optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="60%", cache_dir=False,
@@ -195,7 +193,7 @@ def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_sm
 def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_search_fits():
     # a two-block zoo ViT at nothing_saveable's compiled memory, one compile for the search:
     # its plan compiles over, and the planner's whole-block recomputation fits (value by
-    # value since its recomputations run behind one barrier per reader; as its export before)
+    # value or as its export, whichever fits)
     step, args = zoo.make("vit", depth=2)
     mesh = _mesh((1, 1))
     budget = compile_recipe(step, args, mesh, "dp/nothing_saveable").memory.peak_bytes
