@@ -249,13 +249,21 @@ class PlanCompiler:
         self.mesh = jax.make_mesh(spec.shape, ("data", "model"), devices=jax.devices()[:size],
                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
-    def charge_stored(self, plan) -> None:
-        """Compile ``plan`` and rebuild the problem with the values it stores charged
-        (:func:`kiwi_jax.problem.with_stored`)."""
+    def charge_stored(self, **options) -> None:
+        """With the fused memory model, compile the reference plan
+        (:func:`solvers.reference_plan` with ``options``) and rebuild the problem with the
+        values it stores charged (:func:`kiwi_jax.problem.with_stored`), as the decorator
+        does; the operator model charges every value already and is left as it is."""
+        import solvers
         from kiwi_jax.apply import carried_pairs
         from kiwi_jax.compile import compile_plan
+        from kiwi_jax.plan import plan_from_solution
         from kiwi_jax.problem import with_stored
 
+        if self.build.memory_model != "fused":
+            return
+        reference = solvers.reference_plan(self.build.problem, **options)
+        plan = plan_from_solution(self.build, reference, reference.peak_bytes)
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
         self.build = with_stored(self.build, applied.compiled, carried_pairs(self.traced))
 

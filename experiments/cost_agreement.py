@@ -52,7 +52,7 @@ from hlo_tools.compiled import collectives  # noqa: E402
 from hlo_tools.kernels import kernels  # noqa: E402
 from kiwi_jax.compile import Prepared  # noqa: E402
 from kiwi_jax.estimate import compiled_cost  # noqa: E402
-from kiwi_jax.plan import attributed_comms, plan_from_solution, solve_plan  # noqa: E402
+from kiwi_jax.plan import attributed_comms, solve_plan  # noqa: E402
 from kiwi_jax.sharding import comm_seconds  # noqa: E402
 from kiwi_jax.strategies import latency_shares, operator_comm_seconds  # noqa: E402
 from kiwi_jax.verify import carried_comms, predicted_compute_seconds  # noqa: E402
@@ -137,10 +137,9 @@ def sweep(compiler: PlanCompiler, methods, budgets, time_limit: float,
     compiled to; equal plans are compiled once. Returns the rows and the reference peak.
     ``charge_stored``: on one device, first compile the reference plan and charge what it
     stores, as the decorator does for a percentage (:func:`kiwi_jax.problem.with_stored`)."""
+    if charge_stored:
+        compiler.charge_stored(time_limit=time_limit)
     reference = solvers.reference_plan(compiler.build.problem, time_limit=time_limit)
-    if charge_stored and compiler.build.memory_model == "fused":
-        compiler.charge_stored(plan_from_solution(compiler.build, reference, reference.peak_bytes))
-        reference = solvers.reference_plan(compiler.build.problem, time_limit=time_limit)
     rows, measured = [], {}
     for fraction in budgets:
         budget = int(fraction * reference.peak_bytes)

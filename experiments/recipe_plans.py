@@ -91,9 +91,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> dict:
-    import solvers
     from kiwi_jax.apply import ORDERS
-    from kiwi_jax.plan import plan_from_solution
     from kiwi_jax.problem import MEMORY_MODELS
     from kiwi_jax.recipes import Recipe, all_recipes
 
@@ -114,10 +112,7 @@ def main(argv=None) -> dict:
     name, step, example = model_step(args, sizes)
     compiler = PlanCompiler.for_step(step, example, args.mesh, args.cluster, args.memory_model,
                                      args.order)
-    if compiler.build.memory_model == "fused":
-        reference = solvers.reference_plan(compiler.build.problem)
-        compiler.charge_stored(plan_from_solution(compiler.build, reference,
-                                                  reference.peak_bytes))
+    compiler.charge_stored()
     recipes = [Recipe.parse(r) for r in args.recipes] if args.recipes else all_recipes()
     rows = []
     for recipe in recipes:
