@@ -204,7 +204,8 @@ def fingerprint(hlo_text: str) -> str:
 
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
                      beside: dict[int, int] | None = None, chains: bool = True,
-                     operand_specs: list | None = None, fused: np.ndarray | None = None):
+                     operand_specs: list | None = None, fused: np.ndarray | None = None,
+                     regather: bool = False):
     """The step with the plan applied, and its input/output shardings.
 
     Args:
@@ -226,6 +227,11 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         their readers (:func:`hlo_tools.liveness.fused_values`); those that read a recomputed
         value are recomputed with it (:func:`fused_followers`). None: the plan's model counts
         every value (``operator``).
+      regather: a backward reader that reads a step argument in another spec than its own
+        reshards it from the argument again, behind a barrier tied to its other operands
+        (:attr:`~kiwi_jax.interpret.Interpreter.regather`), as the plan prices it: a copy made
+        for that reader alone. False: XLA may merge it with the forward pass's copy and hold
+        that until the backward pass.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -248,19 +254,27 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
             return value
         return jax.lax.with_sharding_constraint(value, target)
 
-    def reshard(path, source, value):
+    def target(path, source):
+        """The spec the reader at ``path`` reads ``source`` in, where it is not the value's own
+        (None: no resharding)."""
         node = traced.representative.get((path, 0))
         if node is None or source is None:
-            return value
+            return None
         src = graph.parameters[source[1]] if source[0] == "arg" \
             else traced.representative.get(source)
         targets = {operand_specs[node][slot] for slot, o in enumerate(graph.nodes[node].operands)
                    if o == src}
         if len(targets) != 1:
-            return value
-        (target,) = targets
-        return value if target == specs[src] \
-            else jax.lax.with_sharding_constraint(value, sharding(target))
+            return None
+        (spec,) = targets
+        return None if spec == specs[src] else spec
+
+    def reshard(path, source, value):
+        spec = target(path, source)
+        return value if spec is None else jax.lax.with_sharding_constraint(value, sharding(spec))
+
+    def resharded_argument(path, source) -> bool:
+        return source is not None and source[0] == "arg" and target(path, source) is not None
 
     paths = traced.node_paths()
     top = {node: paths[node][0] for node in (beside or {}) if node in paths}
@@ -269,6 +283,8 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                and is_unit(paths[anchor][0])}
     interpreter = Interpreter(traced.closed, constrain=constrain,
                               reshard=None if operand_specs is None else reshard,
+                              regather=resharded_argument if regather and operand_specs
+                              is not None else None,
                               recompute=frozenset(recompute),
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains

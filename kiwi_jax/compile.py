@@ -51,9 +51,10 @@ class CompiledPlan:
     compiled: object
     """Its compiled executable."""
     program: str = "values"
-    """How a plan was applied: ``"values"``, value by value (:func:`compile_plan`), or
-    ``"blocks"``, as its export, each block under its layer's ``jax.checkpoint`` policy
-    (:func:`kiwi_jax.export.compile_exported`)."""
+    """How a plan was applied: ``"values"``, value by value (:func:`compile_plan`);
+    ``"regathered"``, so, the backward pass resharding the step's arguments again for each
+    reader (``compile_plan(..., regather=True)``); or ``"blocks"``, as its export, each block
+    under its layer's ``jax.checkpoint`` policy (:func:`kiwi_jax.export.compile_exported`)."""
 
     @property
     def memory(self) -> MemoryStats:
@@ -62,7 +63,8 @@ class CompiledPlan:
 
 
 def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract: PureStep,
-                 donate: bool = True, overlap: bool = True) -> CompiledPlan:
+                 donate: bool = True, overlap: bool = True, regather: bool = False
+                 ) -> CompiledPlan:
     """Apply ``plan`` (solved on ``build``, whose strategies say in which spec each operator
     reads its operands) to the traced step and compile it for ``abstract``'s argument shapes.
     The updated state (``traced.state_out``) gets the input state's layout and, with
@@ -70,6 +72,8 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
 
     Args:
       overlap: place the recomputations a Lynx plan hides under collectives beside them.
+      regather: the backward pass reshards the step's arguments again, for each reader
+        (:func:`~kiwi_jax.apply.applied_function`).
     """
     fn, in_shardings, out_shardings = applied_function(
         traced, list(plan.specs), plan.recomputed, mesh,
@@ -78,7 +82,8 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
         operand_specs=operand_specs_of(build.strategies, plan.strategy),
         # the fusion rules' flags, not the build's: they follow from the graph alone, so a
         # plan from the cache or from process 0 is applied as it was when it was compiled
-        fused=fused_values(traced.graph) if build.memory_model == "fused" else None)
+        fused=fused_values(traced.graph) if build.memory_model == "fused" else None,
+        regather=regather)
     jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, traced.state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
     return CompiledPlan(tuple(in_shardings), tuple(out_shardings), traced.state_out, jitted,

@@ -47,6 +47,10 @@ equation's inputs: the recomputation becomes ready together with the collective'
 depends on nothing the collective produces, so the scheduler can run it while the collective is
 in flight. Those recomputations run under the name scope ``lynx_overlap`` so that they can be
 found in the compiled HLO.
+With ``regather``, a backward equation that reads a step argument in another spec than its own
+reads it out of an optimization barrier tied to its other operands first: the resharded copy is
+made for it alone, as the plan prices it, where XLA would otherwise merge it with the forward
+pass's copy of the same argument and hold that from the forward pass to the backward pass.
 
 A ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) the model applies, in a scan body or around a
 scanned stack, is kept, not replaced: its equation (``remat2``, in the backward pass after
@@ -302,6 +306,12 @@ class Interpreter:
       chained: paths in ``recompute`` whose recomputation is read by other recomputations (a
         chain inside a layer): a recomputation reading one of them recomputes it first instead
         of reading the value of the forward pass.
+      regather: ``regather(path, source) -> bool``: whether the backward equation at ``path``
+        reshards the step argument ``source`` for itself alone; such arguments go through an
+        optimization barrier tied to the equation's other operands first, so the copy is made
+        when the backward pass gets there and is not merged with the forward pass's copy of the
+        same argument (which XLA otherwise holds from the forward pass to the backward pass, as
+        a kept activation). None: never.
     """
 
     closed: object
@@ -310,6 +320,7 @@ class Interpreter:
     recompute: frozenset = frozenset()
     beside: dict = dataclasses.field(default_factory=dict)
     chained: frozenset = frozenset()
+    regather: Callable | None = None
 
     def __call__(self, *args_flat) -> list:
         run = _Run()
@@ -344,6 +355,8 @@ class Interpreter:
             with source_info_util.user_context(
                     eqn.source_info.traceback, name_stack=name_stack.extend(f"k{path}")), \
                     eqn.ctx.manager:
+                if self.regather is not None and is_backward(str(name_stack)):
+                    invals = self._regathered(run, invals, path)
                 if self.reshard is not None:        # tagged as the reader's, as planned
                     invals = [self.reshard(path, run.source(v), v) if _is_array(v) else v
                               for v in invals]
@@ -357,6 +370,21 @@ class Interpreter:
             if _is_array(v):
                 run.made[id(v)] = (v, (path, k))
         return list(outvals)
+
+    def _regathered(self, run, invals, path: str) -> list:
+        """``invals`` with the step arguments the equation at ``path`` reshards for itself
+        (:attr:`regather`) read out of one optimization barrier tied to its other operands."""
+        own = [i for i, v in enumerate(invals) if _is_array(v)
+               and self.regather(path, run.source(v))]
+        tie = _held_back(run, [v for i, v in enumerate(invals) if _is_array(v) and i not in own])
+        if not own or not tie:
+            return invals
+        copies, _ = jax.lax.optimization_barrier(([invals[i] for i in own], tie))
+        invals = list(invals)
+        for i, copy in zip(own, copies):
+            run.made[id(copy)] = (copy, run.source(invals[i]))
+            invals[i] = copy
+        return invals
 
     def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:
         """The inputs of a ``jax.checkpoint`` body as its lowering passes them: once

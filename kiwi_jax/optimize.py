@@ -783,6 +783,10 @@ class OptimizedStep:
                         f"jax.checkpoint policy):\n{self.export().table()}\n{text}")
             elif prepared.runs_recipe:
                 text = f"kiwi's plan (not run: the recipe runs)\n{text}"
+            elif prepared.applied.program == "regathered":
+                text = (f"kiwi's plan, its backward pass resharding the step's arguments again "
+                        f"for each reader (as the plan prices them; merged with the forward "
+                        f"pass's copies, the step compiled over the budget)\n{text}")
             parts.append(text)
         text = "\n\n".join(parts)
         print(text, file=file)

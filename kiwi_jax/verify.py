@@ -533,7 +533,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
         numerics=numerics)
-    tagged = prepared.applied.program == "values"
+    tagged = prepared.applied.program != "blocks"
     if tagged and (explain_memory
                    or (explain_memory is None and abs(report.memory_error) > TOLERANCE)):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
