@@ -94,9 +94,11 @@ class FitStop(enum.Enum):
     :data:`NO_PLAN_RETRIES` looser solver budgets, or under every tighter solver budget left
     (the plans compiled over the budget)."""
     TIME = "time"
-    """The solver found no plan in its time limit under the last solver budget: no proof that
-    none exists, but each such solve costs the whole limit (on the zoo Llama on 2x4 at 80%,
-    four in a row took 4 of the search's 8 minutes), so the search keeps what it measured."""
+    """The solver found no plan in its time limit under the last solver budget (and under
+    :data:`TIME_RETRIES` budgets halfway back up to the smallest that compiled over): no proof
+    that none exists, but each such solve costs the whole limit (on the zoo Llama on 2x4 at
+    80%, four in a row took 4 of the search's 8 minutes), so the search keeps what it
+    measured."""
     BEATEN = "beaten"
     """The last plan compiled over the budget, and a step that fits is estimated no slower
     (``beaten``: with ``recipes`` on, the decorator's fastest recipe that fits). A tighter
@@ -225,6 +227,13 @@ may end at the time limit without a plan (the zoo mixer on 2x4 at 80%: none at 5
 60 s; plans, proven optimal, at 619,106 B in 34 s and at 675,389 B in 8 s)."""
 NO_PLAN_RETRIES = 2
 """How many times the search steps up so before it stops without a plan."""
+TIME_RETRIES = 1
+"""When the solver finds no plan in its time limit under a solver budget below one whose plan
+compiled over the budget, the search tries this many more times halfway back up to that one
+before it stops (:attr:`FitStop.TIME`): the program is looser there and a plan may be found.
+The reference GPT at hidden 1024 on 2x4 for 484,807,276 B: its plan solved under 428,986,832 B
+compiled to 525,478,108 B; none was found under 389,512,029 B in 60 s, and one was solved under
+419,200,612 B (compiled to 487,729,436 B)."""
 
 
 def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[[P], int], *,
@@ -291,7 +300,7 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
     best_step = float("inf")                # of the plans that fit
     solves = compiles = 0
     guess = int(budget if start is None else start)
-    retries = 0
+    retries = timeouts = 0
     while True:
         if ceiling is not None and guess >= ceiling:
             plan = fastest
@@ -303,6 +312,14 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
             try:
                 plan = solve(guess)
             except NoPlanInTime:
+                back = (guess + hi[0]) // 2 if hi is not None else guess
+                if timeouts < TIME_RETRIES and guess < back < hi[0] and \
+                        back - guess >= slack and (lo is None or back > lo[0]):
+                    timeouts += 1
+                    log.info("fit: no plan found under a solver budget of %d B in the solver's "
+                             "time limit; trying %d B", guess, back)
+                    guess = back
+                    continue
                 log.info("fit: no plan found under a solver budget of %d B in the solver's time "
                          "limit; the search stops", guess)
                 stop = FitStop.TIME

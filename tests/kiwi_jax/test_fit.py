@@ -204,7 +204,8 @@ def test_the_compile_bound_is_respected():
 
 def test_no_plan_in_the_solvers_time_stops_the_search_with_what_it_measured():
     # the first plan compiles over; the solver then finds nothing in its time under 895 B,
-    # where plans exist (a timeout proves nothing): no bisection above it, no more solves
+    # where plans exist (a timeout proves nothing), nor once more halfway back up (947 B):
+    # the search stops there
     def answers(budget):
         if budget < 1000:
             raise NoPlanInTime("no plan found within the time limit")
@@ -212,10 +213,25 @@ def test_no_plan_in_the_solvers_time_stops_the_search_with_what_it_measured():
 
     land = Landscape(answers=answers)
     result = land.fit(1000, unlimited=None)
-    assert land.solved == [1000, 895] and land.compiled == ["A"]
+    assert land.solved == [1000, 895, 947] and land.compiled == ["A"]
     record = result.record
-    assert record.stop == FitStop.TIME and record.solves == 2 and not record.fits
+    assert record.stop == FitStop.TIME and record.solves == 3 and not record.fits
     assert result.plan.name == "A" and "(stopped: time)" in record.describe()
+
+
+def test_after_no_plan_in_time_the_search_tries_halfway_back_up():
+    # the program is looser halfway back up to the plan that compiled over: B is found there
+    # and fits
+    def answers(budget):
+        if budget < 920:
+            raise NoPlanInTime("no plan found within the time limit")
+        return FakePlan("A", 1000, 1.0, 1100) if budget >= 1000 else FakePlan("B", 940, 1.2, 990)
+
+    land = Landscape(answers=answers)
+    result = land.fit(1000, unlimited=None)
+    assert land.solved == [1000, 895, 947] and land.compiled == ["A", "B"]
+    assert result.record.fits and result.plan.name == "B"
+    assert result.record.stop == FitStop.FITS
 
 
 def test_a_plan_over_the_budget_that_a_fitting_step_beats_stops_the_search():
