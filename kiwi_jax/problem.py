@@ -20,7 +20,7 @@ from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.merge import merge_followers
-from kiwi_jax.sharding import Spec, comm_seconds, local_bytes, reshard_comms
+from kiwi_jax.sharding import Spec, comm_seconds, gathers_whole, local_bytes, reshard_comms
 from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
@@ -104,9 +104,12 @@ class _ReshardCache:
         into the reader). Twice that for an all-gather of a dimension below the outermost
         one that is split locally: a collective gathers whole outermost blocks, so XLA
         gathers into a buffer whose outermost dimension is the gathered one and copies it
-        into the value's layout, and the two are alive together."""
+        into the value's layout, and the two are alive together. The whole tensor where the
+        partitioner gathers all of it (:func:`~kiwi_jax.sharding.gathers_whole`)."""
         if not self.comms(shape.nbytes, src, dst):
             return 0
+        if gathers_whole(src, dst):
+            return shape.nbytes
         nbytes = local_bytes(shape.nbytes, dst, self.mesh)
         local = [size // self.mesh.axis_size(axes) for size, axes in zip(shape.dims, dst)]
         kept = {a for axes in dst for a in axes}
