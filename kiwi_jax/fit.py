@@ -312,8 +312,8 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
             try:
                 plan = solve(guess)
             except NoPlanInTime:
-                back = (guess + hi[0]) // 2 if hi is not None else guess
-                if timeouts < TIME_RETRIES and guess < back < hi[0] and \
+                back = None if hi is None else (guess + hi[0]) // 2
+                if back is not None and timeouts < TIME_RETRIES and guess < back < hi[0] and \
                         back - guess >= slack and (lo is None or back > lo[0]):
                     timeouts += 1
                     log.info("fit: no plan found under a solver budget of %d B in the solver's "

@@ -376,8 +376,10 @@ class Interpreter:
         (:attr:`regather`) read out of one optimization barrier tied to its other operands."""
         own = [i for i, v in enumerate(invals) if _is_array(v)
                and self.regather(path, run.source(v))]
+        if not own:
+            return invals
         tie = _held_back(run, [v for i, v in enumerate(invals) if _is_array(v) and i not in own])
-        if not own or not tie:
+        if not tie:
             return invals
         copies, _ = jax.lax.optimization_barrier(([invals[i] for i in own], tie))
         invals = list(invals)
