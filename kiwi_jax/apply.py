@@ -205,7 +205,7 @@ def fingerprint(hlo_text: str) -> str:
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
                      beside: dict[int, int] | None = None, chains: bool = True,
                      operand_specs: list | None = None, fused: np.ndarray | None = None,
-                     regather: bool = False):
+                     regather: bool = False, settle: bool = False):
     """The step with the plan applied, and its input/output shardings.
 
     Args:
@@ -232,6 +232,11 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         (:attr:`~kiwi_jax.interpret.Interpreter.regather`), as the plan prices it: a copy made
         for that reader alone. False: XLA may merge it with the forward pass's copy and hold
         that until the backward pass.
+      settle: each gradient the backward pass hands to the optimizer is tied into the backward
+        pass's next step (:attr:`~kiwi_jax.interpret.Interpreter.settle`), so it is reduced
+        where it is made, as the plan prices it. False: XLA's all-reduce combiner may merge
+        every gradient's all-reduce into a few at the end of the backward pass and hold the
+        gradients unreduced until then.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -286,6 +291,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                               regather=resharded_argument if regather and operand_specs
                               is not None else None,
                               recompute=frozenset(recompute),
+                              settle=_gradient_outputs(traced) if settle else frozenset(),
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains
                               else frozenset())
@@ -354,6 +360,16 @@ def fused_leaders(graph, fused: np.ndarray, recompute_nodes: set[int]) -> set[in
                 and any(u in recompute_nodes or u in out for u in graph.users[node.id]):
             out.add(node.id)
     return out
+
+
+def _gradient_outputs(traced: TracedStep) -> frozenset:
+    """``(path, output index)`` of the backward equations whose values no other backward
+    equation reads: the gradients as the backward pass hands them to the optimizer."""
+    graph = traced.graph
+    return frozenset(
+        key for key, node in traced.representative.items()
+        if is_unit(key[0]) and graph.nodes[node].phase == Phase.BACKWARD
+        and all(graph.nodes[u].phase != Phase.BACKWARD for u in graph.users[node]))
 
 
 def _chained_paths(traced: TracedStep, recompute_nodes: set[int]) -> frozenset:

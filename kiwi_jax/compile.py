@@ -53,7 +53,8 @@ class CompiledPlan:
     program: str = "values"
     """How a plan was applied: ``"values"``, value by value (:func:`compile_plan`);
     ``"regathered"``, so, the backward pass resharding the step's arguments again for each
-    reader (``compile_plan(..., regather=True)``); or ``"blocks"``, as its export, each block
+    reader and reducing each gradient where it is made (``compile_plan(..., regather=True,
+    settle=True)``); or ``"blocks"``, as its export, each block
     under its layer's ``jax.checkpoint`` policy (:func:`kiwi_jax.export.compile_exported`)."""
 
     @property
@@ -63,8 +64,8 @@ class CompiledPlan:
 
 
 def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract: PureStep,
-                 donate: bool = True, overlap: bool = True, regather: bool = False
-                 ) -> CompiledPlan:
+                 donate: bool = True, overlap: bool = True, regather: bool = False,
+                 settle: bool = False) -> CompiledPlan:
     """Apply ``plan`` (solved on ``build``, whose strategies say in which spec each operator
     reads its operands) to the traced step and compile it for ``abstract``'s argument shapes.
     The updated state (``traced.state_out``) gets the input state's layout and, with
@@ -73,6 +74,8 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
     Args:
       overlap: place the recomputations a Lynx plan hides under collectives beside them.
       regather: the backward pass reshards the step's arguments again, for each reader
+        (:func:`~kiwi_jax.apply.applied_function`).
+      settle: each gradient is tied into the backward pass where it is made
         (:func:`~kiwi_jax.apply.applied_function`).
     """
     fn, in_shardings, out_shardings = applied_function(
@@ -83,7 +86,7 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
         # the fusion rules' flags, not the build's: they follow from the graph alone, so a
         # plan from the cache or from process 0 is applied as it was when it was compiled
         fused=fused_values(traced.graph) if build.memory_model == "fused" else None,
-        regather=regather)
+        regather=regather, settle=settle)
     jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, traced.state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
     return CompiledPlan(tuple(in_shardings), tuple(out_shardings), traced.state_out, jitted,

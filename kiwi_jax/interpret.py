@@ -51,6 +51,11 @@ With ``regather``, a backward equation that reads a step argument in another spe
 reads it out of an optimization barrier tied to its other operands first: the resharded copy is
 made for it alone, as the plan prices it, where XLA would otherwise merge it with the forward
 pass's copy of the same argument and hold that from the forward pass to the backward pass.
+With ``settle``, the gradients the backward pass hands to the optimizer are tied, through one
+optimization barrier, to the cotangents the next backward equation reads, and read out of it
+from then on (the optimizer too): each is reduced before the backward pass goes on, where XLA's
+all-reduce combiner would otherwise merge every gradient's all-reduce into a few at the end of
+the backward pass and hold the gradients unreduced until then.
 
 A ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) the model applies, in a scan body or around a
 scanned stack, is kept, not replaced: its equation (``remat2``, in the backward pass after
@@ -272,6 +277,7 @@ class _Run:
     seeds: set = dataclasses.field(default_factory=set)    # ids of the backward's constants
     renamed: dict = dataclasses.field(default_factory=dict)  # id(value) -> (value, tied copy)
     frontier: object = None                 # the last value made that the cotangents reach
+    settling: list = dataclasses.field(default_factory=list)  # gradients not yet tied in
 
     def named(self, value):
         """``value`` as the backward pass reads it from now on: its copy out of the last
@@ -312,6 +318,9 @@ class Interpreter:
         when the backward pass gets there and is not merged with the forward pass's copy of the
         same argument (which XLA otherwise holds from the forward pass to the backward pass, as
         a kept activation). None: never.
+      settle: ``(path, output index)`` of the backward equations whose outputs are gradients
+        handed to the optimizer: each is tied into the backward pass's next equation that reads
+        a cotangent (see the module notes).
     """
 
     closed: object
@@ -321,6 +330,7 @@ class Interpreter:
     beside: dict = dataclasses.field(default_factory=dict)
     chained: frozenset = frozenset()
     regather: Callable | None = None
+    settle: frozenset = frozenset()
 
     def __call__(self, *args_flat) -> list:
         run = _Run()
@@ -331,7 +341,7 @@ class Interpreter:
             run.made[id(v)] = (v, ("arg", i))
         outs = self._eval(run, anchored, self.closed.jaxpr, self.closed.consts, list(args_flat),
                           "", units=True, in_scan=False)
-        return [self._materialise(v) for v in outs]
+        return [self._materialise(run.named(v) if self.settle else v) for v in outs]
 
     def _bind(self, run, anchored, eqn, invals, path: str, name_stack, units: bool,
               in_scan: bool):
@@ -387,6 +397,25 @@ class Interpreter:
             run.made[id(copy)] = (copy, run.source(invals[i]))
             invals[i] = copy
         return invals
+
+    def _settled(self, run, invals) -> list:
+        """``invals`` with the cotangents among them (:attr:`_Run.late`) tied through one
+        optimization barrier to the gradients made so far (:attr:`settle`), which are read out of
+        it from now on: the backward pass goes on only once those are reduced, so XLA's
+        all-reduce combiner cannot merge their collectives with later ones, and the scheduler
+        cannot hold them unreduced to the end of the backward pass."""
+        late = [v for v in invals if _is_array(v) and id(v) in run.late]
+        if not late:
+            return invals
+        settling, run.settling = run.settling, []
+        made, tied = jax.lax.optimization_barrier((settling, late))
+        for value, copy in zip([*settling, *late], [*made, *tied]):
+            run.renamed[id(value)] = (value, copy)
+            run.made[id(copy)] = (copy, run.source(value))
+            run.late.add(id(copy))
+            if run.frontier is value:
+                run.frontier = copy
+        return [run.named(v) for v in invals]
 
     def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:
         """The inputs of a ``jax.checkpoint`` body as its lowering passes them: once
@@ -491,9 +520,16 @@ class Interpreter:
                 for dropped in sorted(anchored.get(path, ()), key=path_key):
                     self._recompute(run, dropped, invals)
                 invals = [run.named(v) for v in invals]     # the copies out of the barriers
+                if run.settling:
+                    invals = self._settled(run, invals)
+            elif units and self.settle and not _is_forward(str(name_stack)):
+                invals = [run.named(v) for v in invals]     # the optimizer's gradients
             outvals = self._bind(run, anchored, eqn, invals, path, name_stack, units, in_scan)
             if backward:
                 _follow_cotangents(run, invals, outvals)
+                if units:
+                    run.settling += [v for k, v in enumerate(outvals)
+                                     if (path, k) in self.settle and _is_array(v)]
             if units and path in self.recompute and scan_body(eqn) is None:
                 unit = _Unit(eqn, path, name_stack, tuple(invals), tuple(outvals))
                 run.by_path[path] = unit

@@ -785,8 +785,10 @@ class OptimizedStep:
                 text = f"kiwi's plan (not run: the recipe runs)\n{text}"
             elif prepared.applied.program == "regathered":
                 text = (f"kiwi's plan, its backward pass resharding the step's arguments again "
-                        f"for each reader (as the plan prices them; merged with the forward "
-                        f"pass's copies, the step compiled over the budget)\n{text}")
+                        f"for each reader and reducing each gradient where it is made (as the "
+                        f"plan prices them; merged with the forward pass's copies and the "
+                        f"gradients' all-reduces merged at the end, the step compiled over the "
+                        f"budget)\n{text}")
             parts.append(text)
         text = "\n\n".join(parts)
         print(text, file=file)

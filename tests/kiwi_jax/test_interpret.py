@@ -108,21 +108,48 @@ def test_values_fused_into_a_recomputation_are_recomputed_for_it(whole_layers_vi
     assert with_leaders < 0.95 * _applied_peak(prepared, mesh, fused)
 
 
-def test_over_its_budget_the_backward_pass_reshards_the_arguments_again(mesh24):
+def test_over_its_budget_the_backward_pass_reshards_the_arguments_and_reduces_the_gradients(
+        mesh24):
     # The plan prices a weight the backward pass reads in another spec as a copy made for that
-    # reader; XLA merged it with the forward pass's copy and held that in between. At 60% the
-    # step compiled value by value is over the budget, and resharding again for each backward
-    # reader compiles smaller (measured: 104,949,652 B against 99,711,124 B).
+    # reader, and reduces each gradient where it is made. XLA merged the copy with the forward
+    # pass's and held that in between, and merged the gradients' all-reduces into one at the
+    # end of the backward pass, holding every gradient unreduced until then. At 60% the step
+    # compiled value by value is over the budget; resharding again for each backward reader
+    # and tying each gradient into the backward pass compiles smaller (measured: 109,151,892 B;
+    # resharded again, 100,767,636 B; and the gradients tied in too, 93,188,236 B).
     ref = build("gpt", layers=2, hidden=512, heads=8, seq=512, batch=8, vocab=2048)
     args = (*ref.abstract_init(), ref.abstract_batch())
     prepared = kiwi_jax.optimize(ref.train_step, mesh=mesh24, memory_budget="60%",
                                  memory_model="fused", order="program", cache_dir=False,
                                  fit_compiles=0, recipes=False).lower(*args)
     assert prepared.applied.program == "regathered"
-    values = compile_plan(prepared.traced, prepared.build, prepared.plan, mesh24,
-                          prepared.traced.pure)
-    assert values.memory.peak_bytes > prepared.plan.budget_bytes
-    assert prepared.applied.memory.peak_bytes <= 0.97 * values.memory.peak_bytes
+    steps = [compile_plan(prepared.traced, prepared.build, prepared.plan, mesh24,
+                          prepared.traced.pure, regather=regather)
+             for regather in (False, True)]
+    values, regathered = (step.memory.peak_bytes for step in steps)
+    assert values > prepared.plan.budget_bytes
+    assert regathered <= 0.97 * values
+    assert prepared.applied.memory.peak_bytes <= 0.97 * regathered
     lowered = [step.jitted.lower(*prepared.traced.pure.args).as_text()
-               for step in (values, prepared.applied)]
+               for step in (steps[0], prepared.applied)]
     assert lowered[1].count("optimization_barrier") > lowered[0].count("optimization_barrier")
+    reductions = [step.compiled.as_text().count(" all-reduce(")
+                  for step in (steps[0], prepared.applied)]
+    assert reductions[1] > reductions[0] + 4, reductions     # not merged at the end
+
+
+def test_gradients_tied_into_the_backward_pass_change_no_value(mesh24):
+    step, args = zoo.make("llama", abstract=False, seed=0)
+    prepared = kiwi_jax.optimize(step, mesh=mesh24, memory_budget="100%", cache_dir=False,
+                                 fit_compiles=0, recipes=False).lower(*args)
+    pure = prepared.traced.pure
+    settled = compile_plan(prepared.traced, prepared.build, prepared.plan, mesh24, pure,
+                           donate=False, regather=True, settle=True)
+    assert " all-reduce(" in settled.compiled.as_text()
+    concrete = functionalize(step, args).args
+    got = jax.tree.leaves(settled.jitted(*concrete))
+    want = jax.tree.leaves(jax.jit(pure.fn)(*concrete))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)
