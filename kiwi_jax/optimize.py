@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 import time
 import warnings
 
@@ -439,10 +440,13 @@ class OptimizedStep:
 
     def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
                abstract: PureStep, budget: int | None = None) -> CompiledPlan:
-        """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: on one
-        device as its export when value by value is over ``budget``, the user's budget
-        (default: the plan's), and the export is smaller)."""
+        """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: the other
+        program when value by value is over ``budget``, the user's budget, and the other is
+        smaller). Default: the budget the plan's search fitted it to (a plan from the cache or
+        from process 0 runs as the search compiled it), else the plan's own."""
         options = self.options
+        if budget is None and plan.fit is not None:
+            budget = plan.fit.budget_bytes
         return compile_applied(self.train_step, step_arguments(abstract), traced, build, plan,
                                options.mesh, abstract, options.donate, options.overlap, budget)
 
@@ -709,10 +713,14 @@ class OptimizedStep:
             return parse_bytes(options.memory_budget), None
         solution = reference_solution(build.problem, **options.solver_options())
         reference = plan_from_solution(build, solution, solution.peak_bytes)
+        # against the user's budget, not the reference's prediction: over that, the reference
+        # would run as the smaller, slower program at budgets it fits value by value; and a
+        # percentage is of the step value by value
+        budget = parse_bytes(options.memory_budget) if fraction is None else sys.maxsize
         applied = compiled[reference.fingerprint] = self._apply(traced, build, reference,
-                                                                abstract)
+                                                                abstract, budget)
         if fraction is None:
-            return parse_bytes(options.memory_budget), reference
+            return budget, reference
         budget = int(fraction * applied.memory.peak_bytes)
         log.info("%s: a budget of %s is %d B per device: the reference plan compiles to %d B "
                  "(predicted %d B)", self.__name__, options.memory_budget, budget,
