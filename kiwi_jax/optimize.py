@@ -510,7 +510,8 @@ class OptimizedStep:
             budget, solve, compile_, key=lambda plan: plan.fingerprint,
             unlimited=lambda: self._unlimited(build, budget), start=start, floor=floor,
             max_compiles=options.fit_compiles, step_tolerance=options.mip_gap,
-            beaten=None if recipe_steps is None else beaten)
+            beaten=None if recipe_steps is None else beaten,
+            seconds=lambda plan: self._estimate(applied[plan.fingerprint], build))
         record = result.record
         if options.mesh.devices.size == 1 and (not record.fits or infeasible is not None):
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied)

@@ -67,6 +67,19 @@ def test_over_tightens_then_secant_lands_in_the_band():
     assert result.record.solver_budget_bytes == 945 and land.unlimited_calls == 1
 
 
+def test_the_plans_that_fit_are_ranked_by_their_compiled_estimate():
+    # the same search as above, with the compiled programs ranking C, which the model predicts
+    # slower than B, faster: C is kept, and every compiled trial records its estimate
+    land = Landscape(FakePlan("A", 1000, 1.0, 1100), FakePlan("B", 900, 1.1, 990),
+                     FakePlan("C", 800, 1.2, 880))
+    estimates = {"A": 0.95, "B": 0.9, "C": 0.85}
+    result = land.fit(1000, seconds=lambda plan: estimates[plan.name])
+    assert land.solved == [1000, 895, 945] and result.record.stop == FitStop.FITS
+    assert [t.compiled_step_seconds for t in result.record.trials] == [0.95, 0.85, 0.9]
+    assert result.plan.name == "C" and result.record.solver_budget_bytes == 895
+    assert FitRecord.from_dict(json.loads(json.dumps(result.record.to_dict()))) == result.record
+
+
 def test_under_by_more_than_the_band_loosens():
     land = Landscape(FakePlan("A", 1300, 1.0, 1200), FakePlan("B", 1100, 1.1, 980),
                      FakePlan("C", 1000, 1.2, 890), FakePlan("D", 900, 1.3, 800))
