@@ -5,7 +5,8 @@ measured; docs/benchmarks.md, docs/apply.md). The compiler is the judge: a plan 
 *solver budget* ``b`` is compiled and its per-device memory read, and the search moves ``b``
 until the compiled step fits the user's budget ``B`` and uses at least ``1 - tolerance`` of it,
 or more memory cannot make the plan faster, or the compiles allowed are spent. It returns the
-fastest plan (lowest predicted step) whose compiled memory fits, with a record of every trial.
+fastest plan whose compiled memory fits (lowest estimated step of its compiled program where
+the caller estimates one, else lowest predicted step), with a record of every trial.
 
 The search sees two callables, ``solve(b) -> plan | None`` (None: no plan under ``b``) and
 ``compile(plan) -> compiled peak bytes``, and reads each plan's ``predicted_step_seconds`` and
