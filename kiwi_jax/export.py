@@ -307,8 +307,11 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     if values.memory.peak_bytes <= budget:
         return values
     if mesh.devices.size != 1:
+        # a plan that hides recomputations under collectives (Lynx) needs them to run
+        # beside the backward pass, which a gradient tied into it waits for
+        settle = not (overlap and plan.hidden_under)
         again = dataclasses.replace(compile_plan(traced, build, plan, mesh, abstract, donate,
-                                                 overlap, regather=True, settle=True),
+                                                 overlap, regather=True, settle=settle),
                                     program="regathered")
         return again if again.memory.peak_bytes < values.memory.peak_bytes else values
     if not plan.recomputed:
