@@ -442,11 +442,8 @@ class OptimizedStep:
                abstract: PureStep, budget: int | None = None) -> CompiledPlan:
         """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: the other
         program when value by value is over ``budget``, the user's budget, and the other is
-        smaller). Default: the budget the plan's search fitted it to (a plan from the cache or
-        from process 0 runs as the search compiled it), else the plan's own."""
+        smaller; default: the plan's, which after the budget search is the user's)."""
         options = self.options
-        if budget is None and plan.fit is not None:
-            budget = plan.fit.budget_bytes
         return compile_applied(self.train_step, step_arguments(abstract), traced, build, plan,
                                options.mesh, abstract, options.donate, options.overlap, budget)
 
