@@ -289,6 +289,17 @@ class _Run:
             value = entry[1]
         return value
 
+    def read_out(self, value, copy) -> None:
+        """From now on ``value`` is read as ``copy``, its copy out of an optimization barrier
+        (:meth:`named`); the copy is what ``value`` was (made by the same equation, reached by
+        the cotangents when it was, the frontier when it was)."""
+        self.renamed[id(value)] = (value, copy)
+        self.made[id(copy)] = (copy, self.source(value))
+        if id(value) in self.late:
+            self.late.add(id(copy))
+            if self.frontier is value:
+                self.frontier = copy
+
     def source(self, value) -> tuple | None:
         """``(path, output index)`` of the equation that made ``value`` (``("arg", i)``: the
         step's i-th argument leaf); None when it was made elsewhere."""
@@ -410,11 +421,7 @@ class Interpreter:
         settling, run.settling = run.settling, []
         made, tied = jax.lax.optimization_barrier((settling, late))
         for value, copy in zip([*settling, *late], [*made, *tied]):
-            run.renamed[id(value)] = (value, copy)
-            run.made[id(copy)] = (copy, run.source(value))
-            run.late.add(id(copy))
-            if run.frontier is value:
-                run.frontier = copy
+            run.read_out(value, copy)
         return [run.named(v) for v in invals]
 
     def _checkpoint_barrier(self, eqn, invals, path: str, name_stack) -> list:
@@ -585,12 +592,7 @@ class Interpreter:
         guarded, tied = jax.lax.optimization_barrier((list(left.values()), tie))
         guarded = dict(zip(left, guarded))
         for value, copy in zip(tie, tied):       # read from here on: XLA drops unused ties
-            run.renamed[id(value)] = (value, copy)
-            run.made[id(copy)] = (copy, run.source(value))
-            if id(value) in run.late:
-                run.late.add(id(copy))
-                if run.frontier is value:
-                    run.frontier = copy
+            run.read_out(value, copy)
         for unit in order:
             inputs = [guarded[id(v)] if id(v) in guarded else self._current(run, v)
                       for v in unit.invals]

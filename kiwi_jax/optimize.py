@@ -488,11 +488,18 @@ class OptimizedStep:
                 applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
             return applied[plan.fingerprint].memory.peak_bytes
 
+        estimates: dict[str, float] = {}               # by plan fingerprint
+
+        def estimate(plan: Plan) -> float:
+            if plan.fingerprint not in estimates:
+                estimates[plan.fingerprint] = self._estimate(applied[plan.fingerprint], build)
+            return estimates[plan.fingerprint]
+
         def beaten(plan: Plan) -> bool:
             recipe = recipe_steps.fastest_fitting(budget)
             if recipe is None:
                 return False
-            seconds = self._estimate(applied[plan.fingerprint], build)
+            seconds = estimate(plan)
             if seconds < recipe.step_seconds:
                 return False
             log.info("%s: a plan over the budget is estimated at %.4f ms, and recipe %s, which "
@@ -508,13 +515,12 @@ class OptimizedStep:
             unlimited=lambda: self._unlimited(build, budget), start=start, floor=floor,
             max_compiles=options.fit_compiles, step_tolerance=options.mip_gap,
             beaten=None if recipe_steps is None else beaten,
-            seconds=lambda plan: self._estimate(applied[plan.fingerprint], build))
+            seconds=estimate)
         record = result.record
         if options.mesh.devices.size == 1 and (not record.fits or infeasible is not None):
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied)
-            if whole is not None and (not record.fits or self._estimate(
-                    applied[whole.fingerprint], build) < self._estimate(
-                    applied[result.plan.fingerprint], build)):
+            if whole is not None and (not record.fits
+                                      or estimate(whole) < estimate(result.plan)):
                 return whole, applied[whole.fingerprint]
         if result.plan is None or (not record.fits and infeasible is not None):
             if not applied:                     # nothing compiled: the model's error stands
