@@ -55,7 +55,7 @@ from hlo_tools.liveness import fused_values, held_operands
 from hlo_tools.lower import argument_paths
 from kiwi_jax.apply import TracedStep, recomputed_values
 from kiwi_jax.compile import CompiledPlan, compile_plan, compiler_options, jit_step
-from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of
+from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of, unit_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
@@ -357,9 +357,7 @@ def _unit(key: tuple | None, op_name: str) -> tuple | None:
     or is inside (from its ``op_name``'s tag; index None), None when untagged."""
     if key is not None and is_unit(key[0]):
         return key
-    path = tag_of(op_name) if key is None else key[0]
-    while path and not is_unit(path):
-        path = path.rpartition("_")[0]
+    path = unit_of(tag_of(op_name) if key is None else key[0])
     return (path, None) if path else None
 
 

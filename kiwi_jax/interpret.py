@@ -85,7 +85,7 @@ from jax._src import core as jax_core
 from jax._src import source_info_util
 
 __all__ = ["Interpreter", "tag_of", "trace_flat", "inlined_call", "scan_body", "scan_layout",
-           "is_unit", "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
+           "is_unit", "unit_of", "path_key", "program_order", "INLINED_CALLS", "OVERLAP_SCOPE"]
 
 OVERLAP_SCOPE = "lynx_overlap"
 
@@ -138,6 +138,14 @@ def is_unit(path: str) -> bool:
     unrolled scan body reached through scans only (``12s4_3``, ``12s4_3s0_2``), not one inside
     an inlined call (``12_3``)."""
     return _UNIT.fullmatch(path) is not None
+
+
+def unit_of(path: str | None) -> str | None:
+    """The recompute unit ``path`` is or is inside (``12_3_1`` -> ``12``, ``12s4_3_1`` ->
+    ``12s4_3``); None when there is none."""
+    while path and not is_unit(path):
+        path = path.rpartition("_")[0]
+    return path or None
 
 
 def path_key(path: str) -> tuple[int, ...]:

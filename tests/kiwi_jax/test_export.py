@@ -172,11 +172,12 @@ def test_policy_of_every_layer_needs_layers_that_save_alike():
 
 
 def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_smaller():
-    # the zoo Llama on one device at 60%: recomputed value by value, its plan compiles to 1.18
-    # of the budget; the plan that runs fits, as its export
+    # the zoo Llama on one device at 57%: recomputed value by value, its plan compiles to 1.07
+    # of the budget (1,557,996 B for 1,457,517 B); the plan that runs fits, as its export
+    # (1,430,780 B). At 60% the plan now fits value by value.
     step, args = zoo.make("llama")
     mesh = _mesh((1, 1))
-    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="60%", cache_dir=False,
+    optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget="57%", cache_dir=False,
                                   recipes=False)
     prepared = optimized.lower(*args)
     plan, applied = prepared.plan, prepared.applied
