@@ -560,13 +560,14 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
             terms.append((b.mem(i), 0, n - 1))
         elif read_back[i]:
             first = int(p.first_bwd_use[i])
-            terms.append((b.mem(i), i, int(p.fwd_last_use[i])))
-            terms.append((b.mem(i), first, int(last[i])))
+            terms.append((b.mem(i), run_time(n, i), int(p.fwd_last_use[i])))
+            terms += stages.read_back_terms(i, int(last[i])) if exact else \
+                _bounded_read_back_terms(p, b, keep_expr, i, int(last[i]))
             if first - 1 > p.fwd_last_use[i]:
                 terms.append((b.conditional(i, keep_expr[i]), int(p.fwd_last_use[i]) + 1,
                               first - 1))
         else:
-            terms.append((b.mem(i), i, int(last[i])))
+            terms.append((b.mem(i), run_time(n, i), int(last[i])))
         if droppable[i]:               # its recomputed copy
             terms += stages.chain_terms(i) if exact else \
                 _bounded_chain_terms(p, b, keep_expr, readers, i)
@@ -576,9 +577,11 @@ def _memory_rows(p, b: Builder, keep_expr, droppable, budget, minimize_peak,
                   for term in stages.operand_terms(src, pairs, int(last[src]) + 1)]
     else:
         late = p.latest_recompute_stage
-        terms += [(b.held(src, (keep_expr[src] if chained else const(1.0)) - keep_expr[d]),
-                   int(last[src]) + 1, int(late[d]))
-                  for src, pairs in held.items() for d, chained in pairs]
+        for src, pairs in held.items():     # held once, until its latest dropped reader
+            alive = b.either([(keep_expr[src] if chained else const(1.0)) - keep_expr[d]
+                              for d, chained in pairs])
+            end = max(recomputation_time(n, int(late[d]), d) for d, _ in pairs)
+            terms.append((b.held(src, alive), int(last[src]) + 1, end))
     terms += b.gathered_terms()
     return b.limit_memory(terms, budget, minimize_peak, skip)
 
@@ -604,17 +607,33 @@ def _held_operands(p, keep_expr, droppable, last) -> dict[int, list[tuple[int, b
 
 
 def _bounded_chain_terms(p, b: Builder, keep_expr, readers, i: int
-                         ) -> list[tuple[Expr, int, int]]:
+                         ) -> list[tuple[Expr, float, float]]:
     """The recomputed copy of droppable value i, dropped, held over all of its possible stages
     (an upper bound of :meth:`_Stages.chain_terms`): read back, from each dropped chained
-    reader's earliest stage; else from its earliest stage to its latest."""
-    early = p.recompute_stage
-    if not p.recomputable[i]:
-        return [(b.conditional(i, const(1.0) - keep_expr[i]), int(early[i]),
-                 int(p.latest_recompute_stage[i]))]
+    reader's earliest stage; else from its recomputation in its earliest stage to its last
+    chained reader's in the latest."""
+    early, late, n = p.recompute_stage, p.latest_recompute_stage, p.num_nodes
+    if not p.recomputable[i]:        # to its last chained reader's recomputation, at the latest
+        end = max(recomputation_time(n, int(late[j]), j) for j in readers[i]
+                  if p.chained(i, j))
+        return [(b.conditional(i, const(1.0) - keep_expr[i]),
+                 recomputation_time(n, int(early[i]), i), end)]
     first = int(p.first_bwd_use[i])
-    return [(b.held(i, const(1.0) - keep_expr[i] - keep_expr[j]), int(early[j]), first - 1)
+    return [(b.held(i, const(1.0) - keep_expr[i] - keep_expr[j]),
+             recomputation_time(n, int(early[j]), i), first - 1)
             for j in readers[i] if p.chained(i, j) and early[j] < first]
+
+
+def _bounded_read_back_terms(p, b: Builder, keep_expr, i: int, last: int) -> list:
+    """Value i, read back, from its first backward reader's stage to its last reader's, as
+    :meth:`_Stages.read_back_terms` counts it where it cannot be recomputed earlier (kept,
+    over the whole stage; dropped, from its recomputation); where it can, over the whole
+    stage (an upper bound)."""
+    first, n = int(p.first_bwd_use[i]), p.num_nodes
+    at = recomputation_time(n, first, i)
+    before = keep_expr[i] if p.recompute_stage[i] >= first else const(1.0)
+    return [(b.mem(i), at, first), (b.conditional(i, before), first, just_before(n, at)),
+            (b.mem(i), first + 1, last)]
 
 
 class _Stages:
@@ -676,48 +695,100 @@ class _Stages:
 
     def _read_back_terms(self, i: int) -> list:
         """A value read back, recomputed before its first backward reader for a dropped chained
-        reader: held from then (its stage's terms from the first backward reader on are the
-        value's own)."""
+        reader: held from its recomputation (its terms from the first backward reader's stage
+        on are :meth:`read_back_terms`)."""
         first = int(self.p.first_bwd_use[i])
         early = [t for t in self.stages[i] if t < first]
-        return [(self.b.held(i, self.by(i, t)), t, end - 1)
-                for t, end in zip(early, early[1:] + [first])]
+        terms = []
+        for k, (t, end) in enumerate(zip(early, early[1:] + [first])):
+            terms += self._from_recomputation(i, t, self.by(i, t),
+                                              self.by(i, early[k - 1]) if k else const(0.0))
+            terms.append((self.b.held(i, self.by(i, t)), t + 1, end - 1))
+        return terms
+
+    def read_back_terms(self, i: int, last: int) -> list:
+        """Value i, read back, from its first backward reader's stage to its last reader's:
+        there, kept or recomputed before, over the whole stage; recomputed in it, from its
+        recomputation."""
+        first = int(self.p.first_bwd_use[i])
+        before = self.by(i, first - 1) + (const(1.0) - self.dropped[i])
+        return self._from_recomputation(i, first, const(1.0), before) + \
+            [(self.b.mem(i), first + 1, last)]
+
+    def _from_recomputation(self, i: int, t: int, alive: Expr, before: Expr) -> list:
+        """Value i in stage ``t``: where ``alive``, from its recomputation there; where
+        ``before`` (it is carried into the stage), from the stage's start."""
+        at = recomputation_time(self.p.num_nodes, t, i)
+        return [(self.b.held(i, alive), at, t),
+                (self.b.held(i, before), t, just_before(self.p.num_nodes, at))]
 
     def _chain_only_terms(self, i: int) -> list:
-        """A value the backward pass does not read: alive from its recomputation to the last
-        stage of a dropped chained reader; within its stage only, from its own recomputation
-        to its last reader's, when all those readers are recomputed there (the simulator's
-        ``chain_intermediates``)."""
+        """A value the backward pass does not read: alive from its recomputation to its last
+        chained reader's recomputation (the simulator's ``copy_spans``). In each of its
+        possible stages: carried in from an earlier one, from the stage's start; recomputed
+        there, from its recomputation; read by a later stage, to the stage's end, else to the
+        last of its readers recomputed there."""
         b, n, stages = self.b, self.p.num_nodes, self.stages[i]
         spans = [b.exact_and(self.by(i, t), self.read_after(i, t)) for t in stages]
         terms = []
         for k, t in enumerate(stages):
-            terms.append((b.held(i, spans[k]), t, t if k + 1 == len(stages) else
-                          stages[k + 1] - 1))
-            if k:                            # the last stage of a span that ends here
-                terms.append((b.held(i, spans[k - 1] - spans[k]), t, t))
+            carried = spans[k - 1] if k else const(0.0)
+            at = recomputation_time(n, t, i)
+            terms += self._from_recomputation(i, t, spans[k], carried + spans[k] - const(1.0))
+            if k + 1 < len(stages) and t + 1 <= stages[k + 1] - 1:
+                terms.append((b.held(i, spans[k]), t + 1, stages[k + 1] - 1))
+            ends_here = carried - spans[k]           # carried in, read in this stage last
             only_here = self.at(i, t) - self.read_after(i, t)
             readers = sorted(j for j in self.chained[i] if t in self.stages[j])
             for q, j in enumerate(readers):
-                start = recomputation_time(n, t, i if q == 0 else readers[q - 1]) \
-                    + (0.0 if q == 0 else 0.5 / (n + 1))
                 later = b.either([self.at(r, t) for r in readers[q:]])
+                start = recomputation_time(n, t, readers[q - 1]) + 0.5 / (n + 1) if q else t
+                terms.append((b.held(i, ends_here + later - const(1.0)), start,
+                              recomputation_time(n, t, j)))
+                start = at if q == 0 else start
                 terms.append((b.held(i, only_here + later - const(1.0)), start,
                               recomputation_time(n, t, j)))
         return terms
 
     def operand_terms(self, src: int, pairs: list[tuple[int, bool]], start: int) -> list:
         """Value ``src`` held from stage ``start`` for its ``(reader, chained)`` pairs
-        (:func:`_held_operands`) until the last of the dropped readers' recomputations."""
+        (:func:`_held_operands`) until the last of the dropped readers' recomputations: over
+        a reader's stage whole where another reader is recomputed later, else to the last of
+        the readers recomputed there."""
+        b, n = self.b, self.p.num_nodes
         cuts = sorted({start} | {t + 1 for d, _ in pairs for t in self.stages.get(d, [])
                                  if t >= start})
         kept = const(1.0) - self.dropped[src]
+        adjust = [kept - const(1.0) if chained else const(0.0) for _, chained in pairs]
         terms = []
         for lo, hi in zip(cuts, cuts[1:]):
-            alive = [self.after(d, lo - 1) + (kept - const(1.0) if chained else const(0.0))
-                     for d, chained in pairs]
-            terms.append((self.b.held(src, self.b.either(alive)), lo, hi - 1))
+            t = hi - 1                                  # a dropped reader's stage
+            if lo < t:
+                alive = [self.after(d, lo - 1) + a for (d, _), a in zip(pairs, adjust)]
+                terms.append((b.held(src, b.either(alive)), lo, t - 1))
+            later = [self.after(d, t) + a for (d, _), a in zip(pairs, adjust)]
+            here = sorted(((d, a) for (d, _), a in zip(pairs, adjust)
+                           if t in self.stages.get(d, [])), key=lambda pair: pair[0])
+            begin = t
+            for q, (d, _) in enumerate(here):      # up to each reader's recomputation
+                read = b.either([self.at(r, t) + a for r, a in here[q:]] + later)
+                terms.append((b.held(src, read), begin, recomputation_time(n, t, d)))
+                begin = recomputation_time(n, t, d) + 0.5 / (n + 1)
+            terms.append((b.held(src, b.either(later)), begin, t))     # the stage's rest
         return terms
+
+
+def run_time(n: int, stage: int) -> float:
+    """The time of the stage's own node on the memory rows' axis (of a problem of ``n``
+    nodes): after the stage's recomputations (:func:`recomputation_time`), before its end;
+    a value the node makes is alive from here."""
+    return just_before(n, stage)
+
+
+def just_before(n: int, time: float) -> float:
+    """A time after the recomputation or stage before ``time`` (of a problem of ``n`` nodes)
+    and before ``time``: where a value alive until just before ``time`` ends."""
+    return time - 0.25 / (n + 1)
 
 
 def recomputation_time(n: int, stage: int, node: int) -> float:

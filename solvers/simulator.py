@@ -48,7 +48,7 @@ from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
 __all__ = ["SimResult", "simulate", "reduced_schedule", "overlapped_recomputations",
-           "buffers", "chain_intermediates"]
+           "buffers", "copy_spans"]
 
 
 
@@ -117,21 +117,14 @@ def simulate(problem: ShardingProblem, strategy, keep=None,
     hidden = _hidden_seconds(overlapped_recomputations(recompute_at, operands, comm + reshard),
                              compute, comm + reshard) if overlap else 0.0
     memory = problem.memory_of(strategy)
-    within = chain_intermediates(served_until, last_reader)
-
+    whole, parts = copy_spans(problem, served_until, last_reader)
     delta = np.zeros(n + 2, dtype=np.int64)
-    param = (problem.phase == Phase.PARAM).tolist()
-    for i in range(n):
-        if param[i]:
-            delta[0] += memory[i]
-            delta[n + 1] -= memory[i]
-            continue
-        for c, until in served_until[i].items():
-            if (i, c) not in within:
-                delta[c] += memory[i]
-                delta[min(until, n) + 1] -= memory[i]
+    for (i, _), (lo, hi) in whole.items():
+        if lo <= hi:
+            delta[lo] += memory[i]
+            delta[hi + 1] -= memory[i]
     timeline = np.cumsum(delta)[:n] + problem.gathered_of(strategy)
-    for stage, (extra, _) in _most_at_once(within, memory).items():
+    for stage, (extra, _) in _most_at_once(parts, memory).items():
         timeline[stage] += extra
     return SimResult(
         step_seconds=float(per_node @ executions) - hidden,
@@ -153,14 +146,18 @@ def live_bytes(problem: ShardingProblem, strategy, stage: int,
     strategy = np.asarray(strategy, dtype=np.int64)
     served_until, last_reader = _lifetimes(problem, recompute_at or {}, problem.operands())
     memory = problem.memory_of(strategy)
-    within = chain_intermediates(served_until, last_reader)
-    at = _most_at_once({k: v for k, v in within.items() if k[1] == stage}, memory)
-    point = at[stage][1] if stage in at else -1      # the recomputation where most are alive
-    copies = np.array([1 if problem.phase[i] == Phase.PARAM else
-                       sum(c == stage and within[(i, c)][0] <= point <= within[(i, c)][1]
-                           if (i, c) in within else c <= stage <= min(until, n)
-                           for c, until in served_until[i].items())
-                       for i in range(n)], np.int64)
+    whole, parts = copy_spans(problem, served_until, last_reader)
+    at = _most_at_once({k: [p for p in v if p[0] == stage] for k, v in parts.items()}, memory)
+    point = at[stage][1] if stage in at else -1      # the point where most are alive
+
+    def counted(key) -> bool:
+        lo, hi = whole[key]
+        return lo <= stage <= hi or any(s == stage and first <= point <= last
+                                        for s, first, last in parts.get(key, ()))
+
+    copies = np.zeros(n, np.int64)
+    for key in whole:
+        copies[key[0]] += counted(key)
     alive = memory * copies
     alive[stage] += problem.gathered_of(strategy)[stage]
     return alive
@@ -235,26 +232,48 @@ def _lifetimes(problem: ShardingProblem, recompute_at, operands
     return served_until, last_reader
 
 
-def chain_intermediates(served_until, last_reader) -> dict[tuple[int, int], tuple[int, int]]:
-    """The recomputed copies read only by other recomputations of their stage: ``(node,
-    stage): (node, its last reader)``, the span of recomputations (in node order) over which
-    the copy is alive; a copy nothing reads spans its own recomputation only."""
-    within = {}
+def copy_spans(problem: ShardingProblem, served_until, last_reader
+               ) -> tuple[dict[tuple[int, int], tuple[int, int]],
+                          dict[tuple[int, int], list[tuple[int, int, int]]]]:
+    """Where each copy ``(node, creation stage)`` is alive: the stages it is alive through
+    whole, ``(first, last)`` (first > last: none), and the stages it is alive in for part of,
+    ``[(stage, first point, last point)]``.
+
+    A stage runs its recomputations in node order, then its own node: a point is the node
+    recomputed or run there. A copy is alive from its own point in its creation stage (a
+    recomputed copy from its recomputation, the node's own copy from the node's run) to its
+    last reader's point in its last stage (a recomputation there, or the stage's node): a
+    chain's intermediate lives between two recomputations of its stage, a kept value a
+    recomputation alone reads last dies once it has read it, as ``jax.checkpoint`` frees a
+    residual, and a recomputed value lives from its recomputation on. The inputs (phase
+    ``param``) and the step's outputs after their creation are alive whole."""
+    n = problem.num_nodes
+    whole: dict[tuple[int, int], tuple[int, int]] = {}
+    parts: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for i, copies in enumerate(served_until):
+        if problem.phase[i] == Phase.PARAM:
+            whole[(i, i)] = (0, n)
+            continue
         for c, until in copies.items():
             reader = last_reader.get((i, c), i)
-            if c != i and until == c and reader < c:
-                within[(i, c)] = (i, reader)
-    return within
+            if until >= n:                                  # a step output
+                whole[(i, c)], parts[(i, c)] = (c + 1, n), [(c, i, c)]
+            elif c == until:
+                whole[(i, c)], parts[(i, c)] = (c, c - 1), [(c, i, reader)]
+            else:
+                whole[(i, c)] = (c + 1, until - 1)
+                parts[(i, c)] = [(c, i, c), (until, -1, reader)]
+    return whole, parts
 
 
-def _most_at_once(within, memory) -> dict[int, tuple[int, int]]:
-    """Per stage with chain intermediates (:func:`chain_intermediates`), the most bytes of them
-    alive at once, and the recomputation (node) where that is."""
+def _most_at_once(parts, memory) -> dict[int, tuple[int, int]]:
+    """Per stage, the most bytes of the copies alive in part of it (:func:`copy_spans`) alive
+    at once, and the point (node) where that is."""
     events: dict[int, list[tuple[int, int, int]]] = {}
-    for (i, stage), (first, last) in within.items():
-        events.setdefault(stage, []).extend([(first, 0, int(memory[i])),
-                                             (last, 1, -int(memory[i]))])
+    for (i, _), spans in parts.items():
+        for stage, first, last in spans:
+            events.setdefault(stage, []).extend([(first, 0, int(memory[i])),
+                                                 (last, 1, -int(memory[i]))])
     most = {}
     for stage, stage_events in events.items():
         alive, best = 0, (0, -1)

@@ -240,15 +240,16 @@ def _long_chain_problem():
 
 
 def test_a_chains_intermediates_are_freed_after_their_last_reader_in_the_recomputation():
-    """f1 is freed once f2 is recomputed, so at most two of the three are alive at once: the
-    layer's backward stage holds x, loss, g, gb, a and b again, and 200 B of the chain."""
+    """f1 is freed once f2 is recomputed, so at most two of the three are alive at once: at
+    their recomputation the layer's backward stage holds x, loss, g and a again, and 200 B of
+    the chain; b, recomputed after them, and gb, the stage's own value, come later."""
     p, gb = _long_chain_problem()
     keep = np.ones(p.num_nodes, bool)
     keep[1:6] = False                              # a, f1, f2, f3, b dropped
     assert p.dropped_stages(keep) == {i: gb for i in range(1, 6)}
     strategy = np.zeros(p.num_nodes, int)
     sim = simulate(p, strategy, keep)
-    assert sim.memory_timeline[gb] == 10 + 1 + 1 + 1 + 10 + 10 + 200
+    assert sim.memory_timeline[gb] == 10 + 1 + 1 + 10 + 200
     assert sim.peak_bytes == sim.memory_timeline[gb]
     joint = build_joint(p, None, fixed_keep=keep, minimize_peak=True)
     result = joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
