@@ -79,12 +79,11 @@ def test_the_reference_plan_exports_a_policy_that_saves_every_named_value_read_b
 
 
 def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
-    # 90%: the plan recomputes 11 values per layer, the attention context among them (at
-    # 92% the first plan compiles 8% under its budget, and the one the budget search loosens
-    # to drops no named value)
+    # 85%: the plan recomputes 13 values per layer, the attention context among them (at
+    # 90% the plan the budget search settles on drops no named value)
     mesh = _mesh((1, 1))
     reference = _planned("100%", mesh).export()
-    optimized = _planned("90%", mesh)
+    optimized = _planned("85%", mesh)
     export = optimized.export()
     dropped = set(reference.layers[0].names) - set(export.layers[0].names)
     assert dropped and all(layer.recomputed > 0 for layer in export.layers)
