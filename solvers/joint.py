@@ -629,11 +629,17 @@ def _bounded_read_back_terms(p, b: Builder, keep_expr, i: int, last: int) -> lis
     :meth:`_Stages.read_back_terms` counts it where it cannot be recomputed earlier (kept,
     over the whole stage; dropped, from its recomputation); where it can, over the whole
     stage (an upper bound)."""
-    first, n = int(p.first_bwd_use[i]), p.num_nodes
-    at = recomputation_time(n, first, i)
+    first = int(p.first_bwd_use[i])
     before = keep_expr[i] if p.recompute_stage[i] >= first else const(1.0)
-    return [(b.mem(i), at, first), (b.conditional(i, before), first, just_before(n, at)),
-            (b.mem(i), first + 1, last)]
+    return _from_recomputation(b, i, first, const(1.0), before) + \
+        [(b.mem(i), first + 1, last)]
+
+
+def _from_recomputation(b: Builder, i: int, t: int, alive: Expr, before: Expr) -> list:
+    """Value i in stage ``t``: where ``alive``, from its recomputation there; where
+    ``before`` (it is carried into the stage), from the stage's start."""
+    at = recomputation_time(b.p.num_nodes, t, i)
+    return [(b.held(i, alive), at, t), (b.held(i, before), t, just_before(b.p.num_nodes, at))]
 
 
 class _Stages:
@@ -701,7 +707,7 @@ class _Stages:
         early = [t for t in self.stages[i] if t < first]
         terms = []
         for k, (t, end) in enumerate(zip(early, early[1:] + [first])):
-            terms += self._from_recomputation(i, t, self.by(i, t),
+            terms += _from_recomputation(self.b, i, t, self.by(i, t),
                                               self.by(i, early[k - 1]) if k else const(0.0))
             terms.append((self.b.held(i, self.by(i, t)), t + 1, end - 1))
         return terms
@@ -712,15 +718,8 @@ class _Stages:
         recomputation."""
         first = int(self.p.first_bwd_use[i])
         before = self.by(i, first - 1) + (const(1.0) - self.dropped[i])
-        return self._from_recomputation(i, first, const(1.0), before) + \
+        return _from_recomputation(self.b, i, first, const(1.0), before) + \
             [(self.b.mem(i), first + 1, last)]
-
-    def _from_recomputation(self, i: int, t: int, alive: Expr, before: Expr) -> list:
-        """Value i in stage ``t``: where ``alive``, from its recomputation there; where
-        ``before`` (it is carried into the stage), from the stage's start."""
-        at = recomputation_time(self.p.num_nodes, t, i)
-        return [(self.b.held(i, alive), at, t),
-                (self.b.held(i, before), t, just_before(self.p.num_nodes, at))]
 
     def _chain_only_terms(self, i: int) -> list:
         """A value the backward pass does not read: alive from its recomputation to its last
@@ -734,7 +733,7 @@ class _Stages:
         for k, t in enumerate(stages):
             carried = spans[k - 1] if k else const(0.0)
             at = recomputation_time(n, t, i)
-            terms += self._from_recomputation(i, t, spans[k], carried + spans[k] - const(1.0))
+            terms += _from_recomputation(b, i, t, spans[k], carried + spans[k] - const(1.0))
             if k + 1 < len(stages) and t + 1 <= stages[k + 1] - 1:
                 terms.append((b.held(i, spans[k]), t + 1, stages[k + 1] - 1))
             ends_here = carried - spans[k]           # carried in, read in this stage last
