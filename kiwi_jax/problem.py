@@ -164,9 +164,10 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         memory_model = "fused" if np.prod(mesh.shape) == 1 else "operator"
     strategies, unsupported = [], {}
     shares = latency_shares(graph)
+    loop_fused = fused_values(graph)   # XLA's fusion, whatever the memory model charges
     for node in graph.nodes:
         options, supported = node_strategies(graph, node, mesh, cluster,
-                                             float(shares[node.id]))
+                                             float(shares[node.id]), loop_fused)
         if not supported:
             unsupported[node.opcode] = unsupported.get(node.opcode, 0) + 1
         strategies.append(options)
@@ -187,7 +188,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[value].nbytes, tuple(s.out for s in strategies[value]),
                      tuple(s.out for s in strategies[param]))
         for value, param in carried)
-    fused = fused_values(graph) if memory_model == "fused" else np.zeros(len(graph), bool)
+    fused = loop_fused.copy() if memory_model == "fused" else np.zeros(len(graph), bool)
     scale = np.ones(len(graph))              # what the compiler holds of the value
     if donated:                  # a state leaf returned as it came is its argument still
         scale[[v for v, _ in carried if graph.nodes[v].phase != Phase.PARAM]] = 0.0

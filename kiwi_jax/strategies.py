@@ -1,7 +1,8 @@
 """Alpa-style sharding strategies of every operator, with compute, communication and memory.
 
 A strategy fixes the spec of a node's output and the spec each operand must arrive in; its costs
-are per device: compute seconds (roofline of FLOPs and bytes moved), communication seconds of the
+are per device: compute seconds (roofline of FLOPs and bytes moved; a value XLA fuses into its
+readers' loops is neither written nor read through memory), communication seconds of the
 collectives the operator itself performs (the all-reduce of a dot whose contracting dimension is
 split, the all-reduce of a reduction over a split dimension) and the bytes of its output shard.
 
@@ -68,11 +69,14 @@ class _Ctx:
     """What every strategy builder needs: the graph, the node, the mesh and the cluster."""
 
     def __init__(self, graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
-                 latency_share: float = 1.0):
+                 latency_share: float = 1.0, fused=None):
         self.graph, self.node, self.mesh, self.cluster = graph, node, mesh, cluster
         self.latency_share = latency_share
         self.flops = graph.flops(node.id)
         self.operand_shapes = [graph.nodes[o].shape for o in node.operands]
+        in_memory = (lambda v: True) if fused is None else (lambda v: not fused[v])
+        self.writes = in_memory(node.id)
+        self.reads = [in_memory(o) for o in node.operands]
 
     def make(self, out: Spec, operands: list[Spec], comms=(), work_split: int | None = None,
              ) -> Strategy:
@@ -82,8 +86,9 @@ class _Ctx:
             compute = 0.0
         else:
             split = work_split if work_split is not None else shard_count(out, mesh)
-            moved = memory + sum(local_bytes(s.nbytes, spec, mesh)
-                                 for s, spec in zip(self.operand_shapes, operands))
+            moved = memory * self.writes + sum(
+                local_bytes(s.nbytes, spec, mesh)
+                for s, spec, read in zip(self.operand_shapes, operands, self.reads) if read)
             device = self.cluster.device
             compute = max(self.flops / split / device.flops, moved / device.memory_bandwidth)
         comm = sum(self.comm_seconds(c) for c in comms)
@@ -448,19 +453,23 @@ def combined_all_reduces(graph: OpGraph) -> np.ndarray:
     return reducing & ~reaches
 
 
-def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec,
-                    cluster: Cluster, latency_share: float = 1.0) -> tuple[list[Strategy], bool]:
+def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
+                    latency_share: float = 1.0, fused=None) -> tuple[list[Strategy], bool]:
     """Strategies of one node.
 
     Args:
       latency_share: the part of an all-reduce's latency the node pays
         (:func:`latency_shares`).
+      fused: bool per node, the values XLA computes inside their readers' loops
+        (:func:`hlo_tools.liveness.fused_values`): the node's compute moves no bytes for its
+        own value if it is one, nor for an operand that is one (None: every value is
+        written and read through memory).
 
     Returns:
       (strategies, supported): unsupported opcodes get the single replicated strategy and
       ``supported=False`` so the caller can warn once, naming them.
     """
-    ctx = _Ctx(graph, node, mesh, cluster, latency_share)
+    ctx = _Ctx(graph, node, mesh, cluster, latency_share, fused)
     builder = _BUILDERS.get(node.opcode)
     if builder is not None:
         strategies = builder(ctx)
