@@ -281,11 +281,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
     def resharded_argument(path, source) -> bool:
         return source is not None and source[0] == "arg" and target(path, source) is not None
 
-    paths = traced.node_paths()
-    top = {node: paths[node][0] for node in (beside or {}) if node in paths}
-    anchors = {top[node]: paths[anchor][0] for node, anchor in (beside or {}).items()
-               if node in top and top[node] in recompute and anchor in paths
-               and is_unit(paths[anchor][0])}
+    anchors = _anchors(traced, beside or {}, recompute)
     interpreter = Interpreter(traced.closed, constrain=constrain,
                               reshard=None if operand_specs is None else reshard,
                               regather=resharded_argument if regather and operand_specs
@@ -370,6 +366,20 @@ def _gradient_outputs(traced: TracedStep) -> frozenset:
         key for key, node in traced.representative.items()
         if is_unit(key[0]) and graph.nodes[node].phase == Phase.BACKWARD
         and all(graph.nodes[u].phase != Phase.BACKWARD for u in graph.users[node]))
+
+
+def _anchors(traced: TracedStep, beside: dict[int, int], recompute) -> dict[str, str]:
+    """Lynx's placements as the interpreter takes them: ``{recomputed unit: anchor unit}`` of
+    ``beside`` (``{hidden node: node whose collective hides it}``), each node named by the
+    recompute unit its value is made in (:func:`~kiwi_jax.interpret.unit_of`: a value made
+    inside an inlined call, ``jnp.where``'s select at ``49_5``, is rerun as the call ``49``).
+    Nodes the step's equations do not make (XLA's own broadcasts) and values of units not in
+    ``recompute`` are left out."""
+    paths = traced.node_paths()
+    units = {node: unit_of(paths[node][0]) for node in (*beside, *beside.values())
+             if node in paths}
+    return {units[node]: units[anchor] for node, anchor in beside.items()
+            if units.get(node) in recompute and units.get(anchor) is not None}
 
 
 def _chained_paths(traced: TracedStep, recompute_nodes: set[int]) -> frozenset:

@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 
 import kiwi_jax
+from kiwi_jax.apply import _anchors
+from kiwi_jax.interpret import is_unit, unit_of
 from kiwi_jax.models import build
 from kiwi_jax.verify import max_rel_diff, overlap_placements
 
@@ -44,6 +46,19 @@ def test_hidden_recomputations_are_scheduled_before_their_collective(overlapped)
         # gradient's operand all-to-all before the combined gradient all-reduce (for both
         # recomputations since they run behind one barrier per reader; for one before)
         assert p.between <= 1, f"{p.name}: {p.between} collectives before its own"
+
+
+def test_a_hidden_value_made_inside_an_inlined_call_is_placed_as_its_call(overlapped):
+    """The causal mask's select is made inside ``jnp.where``'s inlined call (path ``49_5``);
+    the interpreter reruns the call, so it is placed as the call. Taken by its own path, it
+    was never placed beside its collective."""
+    _ref, _step_, prepared = overlapped
+    traced, hidden = prepared.traced, prepared.plan.hidden_under
+    paths = traced.node_paths()
+    inlined = {paths[n][0] for n in hidden if n in paths and not is_unit(paths[n][0])}
+    assert inlined, "no hidden value inside an inlined call: the model or the plan changed"
+    units = {unit_of(path) for path in inlined}
+    assert units <= set(_anchors(traced, hidden, units))
 
 
 def test_without_overlap_nothing_is_placed_beside_a_collective():
