@@ -87,7 +87,7 @@ class _Ctx:
     """What every strategy builder needs: the graph, the node, the mesh and the cluster."""
 
     def __init__(self, graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
-                 latency_share: float = 1.0, fusion: Fusion | None = None):
+                 latency_share: float = 1.0, fusion=None):
         self.graph, self.node, self.mesh, self.cluster = graph, node, mesh, cluster
         self.latency_share = latency_share
         self.flops = graph.flops(node.id)

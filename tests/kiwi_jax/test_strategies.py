@@ -17,8 +17,7 @@ from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
 from kiwi_jax.sharding import (Comm, collective_seconds, comm_seconds, enumerate_specs,
                                reshard_comms)
-from kiwi_jax.strategies import (Fusion, combined_all_reduces, node_strategies,
-                                 reshape_groups)
+from kiwi_jax.strategies import combined_all_reduces, node_strategies, reshape_groups
 from solvers.joint import build_joint
 from solvers.lynx import fixed_strategy
 from solvers.phase import Phase
@@ -85,31 +84,6 @@ def test_bad_shorthand_names_the_fix():
 ])
 def test_reshape_groups(src, dst, groups):
     assert reshape_groups(src, dst) == groups
-
-
-def test_a_fused_value_is_read_through_by_each_kernel_that_computes_it():
-    """``u = 2 x`` is fused into both reductions that read it: it writes nothing, and each
-    reduction's kernel reads ``x`` (4 MiB), not ``u``, and writes its own result."""
-    def f(x):
-        u = 2 * x
-        return jnp.sum(u, axis=0), jnp.max(u, axis=1)
-
-    graph = lower_to_graph(f, jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
-    fusion = Fusion.of(graph)
-    (u,) = [n for n in graph.nodes if n.opcode == "multiply"]
-    reductions = [n for n in graph.nodes if n.opcode == "reduce"]
-    assert fusion.fused[u.id] and len(reductions) == 2
-    one, device = MeshSpec((1, 1)), CLUSTER.device
-    (fused,), _ = node_strategies(graph, u, one, CLUSTER, fusion=fusion)
-    assert fused.compute_s == pytest.approx(2**20 / device.flops)        # its FLOPs alone
-    for reduction in reductions:
-        (kernel,), _ = node_strategies(graph, reduction, one, CLUSTER, fusion=fusion)
-        (unfused,), _ = node_strategies(graph, reduction, one, CLUSTER)
-        moved = 4 * 2**20 + 4 * 1024          # x and its result (the init value is fused)
-        assert kernel.compute_s == pytest.approx(moved / device.memory_bandwidth, rel=1e-9)
-        # every value through memory: u (x's size), the init value and the result
-        assert unfused.compute_s == pytest.approx((moved + 4) / device.memory_bandwidth,
-                                                  rel=1e-9)
 
 
 def test_matmul_strategies_and_costs():
