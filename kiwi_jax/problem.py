@@ -16,12 +16,12 @@ import numpy as np
 
 from hlo_tools.compiled import Held, stored_bytes
 from hlo_tools.graph import OpGraph
-from hlo_tools.liveness import held_operands, liveness
+from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.merge import merge_followers
 from kiwi_jax.sharding import Spec, comm_seconds, gathers_whole, local_bytes, reshard_comms
-from kiwi_jax.strategies import Fusion, Strategy, latency_shares, node_strategies
+from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 from solvers.reuse import with_layer_ties
@@ -164,10 +164,10 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         memory_model = "fused" if np.prod(mesh.shape) == 1 else "operator"
     strategies, unsupported = [], {}
     shares = latency_shares(graph)
-    fusion = Fusion.of(graph)      # XLA's loop fusion, whatever the memory model charges
+    loop_fused = fused_values(graph)   # XLA's fusion, whatever the memory model charges
     for node in graph.nodes:
         options, supported = node_strategies(graph, node, mesh, cluster,
-                                             float(shares[node.id]), fusion)
+                                             float(shares[node.id]), loop_fused)
         if not supported:
             unsupported[node.opcode] = unsupported.get(node.opcode, 0) + 1
         strategies.append(options)
@@ -188,7 +188,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[value].nbytes, tuple(s.out for s in strategies[value]),
                      tuple(s.out for s in strategies[param]))
         for value, param in carried)
-    fused = fusion.fused.copy() if memory_model == "fused" else np.zeros(len(graph), bool)
+    fused = loop_fused.copy() if memory_model == "fused" else np.zeros(len(graph), bool)
     scale = np.ones(len(graph))              # what the compiler holds of the value
     if donated:                  # a state leaf returned as it came is its argument still
         scale[[v for v, _ in carried if graph.nodes[v].phase != Phase.PARAM]] = 0.0

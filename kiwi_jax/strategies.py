@@ -2,10 +2,9 @@
 
 A strategy fixes the spec of a node's output and the spec each operand must arrive in; its costs
 are per device: compute seconds (roofline of FLOPs and bytes moved; a value XLA fuses into its
-readers' loops is not written, and each reader's kernel reads what it reads), communication
-seconds of the collectives the operator itself performs (the all-reduce of a dot whose
-contracting dimension is split, the all-reduce of a reduction over a split dimension) and the
-bytes of its output shard.
+readers' loops is neither written nor read through memory), communication seconds of the
+collectives the operator itself performs (the all-reduce of a dot whose contracting dimension is
+split, the all-reduce of a reduction over a split dimension) and the bytes of its output shard.
 
 XLA's all-reduce combiner merges all-reduces that do not depend on one another into one
 collective: the gradients' all-reduces (and the loss's) leave a data-parallel step as a single
@@ -29,12 +28,12 @@ import re
 import numpy as np
 
 from hlo_tools.graph import Node, OpGraph, conv_labels
-from hlo_tools.liveness import ELEMENTWISE, fused_values, held_operands
+from hlo_tools.liveness import ELEMENTWISE
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import (Comm, Spec, comm_seconds, enumerate_specs, local_bytes,
                                replicated, shard_count, spec_from_assignment, spec_str)
 
-__all__ = ["Strategy", "Fusion", "node_strategies", "combined_all_reduces", "latency_shares",
+__all__ = ["Strategy", "node_strategies", "combined_all_reduces", "latency_shares",
            "operator_comm_seconds", "may_all_reduce", "ELEMENTWISE", "FREE_OPCODES",
            "ALL_REDUCING_OPCODES"]
 
@@ -66,40 +65,18 @@ class Strategy:
     """The operator's own collectives."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """XLA's loop fusion of a graph, as the compute sees it."""
-
-    fused: np.ndarray
-    """bool per node: a value computed inside its readers' loops
-    (:func:`hlo_tools.liveness.fused_values`)."""
-    held: list
-    """Per node, the stored values it reads through its fused operands
-    (:func:`hlo_tools.liveness.held_operands`)."""
-
-    @classmethod
-    def of(cls, graph: OpGraph) -> "Fusion":
-        fused = fused_values(graph)
-        return cls(fused, held_operands(graph, fused))
-
-
 class _Ctx:
     """What every strategy builder needs: the graph, the node, the mesh and the cluster."""
 
     def __init__(self, graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
-                 latency_share: float = 1.0, fusion=None):
+                 latency_share: float = 1.0, fused=None):
         self.graph, self.node, self.mesh, self.cluster = graph, node, mesh, cluster
         self.latency_share = latency_share
         self.flops = graph.flops(node.id)
         self.operand_shapes = [graph.nodes[o].shape for o in node.operands]
-        # per operand, the stored values (id, bytes) the node's kernel reads through it
-        self.writes = fusion is None or not fusion.fused[node.id]
-        if not self.writes:                       # computed in its readers' kernels
-            self.reads = [()] * len(node.operands)
-        else:
-            self.reads = [tuple((v, graph.nodes[v].nbytes) for v in (
-                fusion.held[o] if fusion is not None and fusion.fused[o] else (o,)))
-                for o in node.operands]
+        in_memory = (lambda v: True) if fused is None else (lambda v: not fused[v])
+        self.writes = in_memory(node.id)
+        self.reads = [in_memory(o) for o in node.operands]
 
     def make(self, out: Spec, operands: list[Spec], comms=(), work_split: int | None = None,
              ) -> Strategy:
@@ -109,11 +86,9 @@ class _Ctx:
             compute = 0.0
         else:
             split = work_split if work_split is not None else shard_count(out, mesh)
-            share: dict[int, float] = {}       # a value read through two operands: once
-            for spec, values in zip(operands, self.reads):
-                for v, nbytes in values:
-                    share[v] = max(share.get(v, 0.0), nbytes / shard_count(spec, mesh))
-            moved = memory * self.writes + sum(share.values())
+            moved = memory * self.writes + sum(
+                local_bytes(s.nbytes, spec, mesh)
+                for s, spec, read in zip(self.operand_shapes, operands, self.reads) if read)
             device = self.cluster.device
             compute = max(self.flops / split / device.flops, moved / device.memory_bandwidth)
         comm = sum(self.comm_seconds(c) for c in comms)
@@ -479,24 +454,22 @@ def combined_all_reduces(graph: OpGraph) -> np.ndarray:
 
 
 def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster,
-                    latency_share: float = 1.0, fusion: Fusion | None = None
-                    ) -> tuple[list[Strategy], bool]:
+                    latency_share: float = 1.0, fused=None) -> tuple[list[Strategy], bool]:
     """Strategies of one node.
 
     Args:
       latency_share: the part of an all-reduce's latency the node pays
         (:func:`latency_shares`).
-      fusion: the values XLA computes inside their readers' loops (:class:`Fusion`). A
-        fused node moves no bytes of its own; a node that is not (a kernel) writes its value
-        and reads the stored values its fused operands read, transitively, each once, in
-        the share its operand's spec gives it. None: every operator is a kernel that
-        writes its value and reads its operands.
+      fused: bool per node, the values XLA computes inside their readers' loops
+        (:func:`hlo_tools.liveness.fused_values`): the node's compute moves no bytes for its
+        own value if it is one, nor for an operand that is one (None: every value is
+        written and read through memory).
 
     Returns:
       (strategies, supported): unsupported opcodes get the single replicated strategy and
       ``supported=False`` so the caller can warn once, naming them.
     """
-    ctx = _Ctx(graph, node, mesh, cluster, latency_share, fusion)
+    ctx = _Ctx(graph, node, mesh, cluster, latency_share, fused)
     builder = _BUILDERS.get(node.opcode)
     if builder is not None:
         strategies = builder(ctx)
