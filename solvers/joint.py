@@ -741,11 +741,13 @@ class _Stages:
             readers = sorted(j for j in self.chained[i] if t in self.stages[j])
             for q, j in enumerate(readers):
                 later = b.either([self.at(r, t) for r in readers[q:]])
-                start = recomputation_time(n, t, readers[q - 1]) + 0.5 / (n + 1) if q else t
-                terms.append((b.held(i, ends_here + later - const(1.0)), start,
+                # carried in, from the stage's start; made here, from its recomputation; from
+                # the second reader on, both from just after the reader before
+                carried_from, made_from = (t, at) if q == 0 else \
+                    (just_after(n, recomputation_time(n, t, readers[q - 1])),) * 2
+                terms.append((b.held(i, ends_here + later - const(1.0)), carried_from,
                               recomputation_time(n, t, j)))
-                start = at if q == 0 else start
-                terms.append((b.held(i, only_here + later - const(1.0)), start,
+                terms.append((b.held(i, only_here + later - const(1.0)), made_from,
                               recomputation_time(n, t, j)))
         return terms
 
@@ -772,7 +774,7 @@ class _Stages:
             for q, (d, _) in enumerate(here):      # up to each reader's recomputation
                 read = b.either([self.at(r, t) + a for r, a in here[q:]] + later)
                 terms.append((b.held(src, read), begin, recomputation_time(n, t, d)))
-                begin = recomputation_time(n, t, d) + 0.5 / (n + 1)
+                begin = just_after(n, recomputation_time(n, t, d))
             terms.append((b.held(src, b.either(later)), begin, t))     # the stage's rest
         return terms
 
@@ -790,8 +792,14 @@ def just_before(n: int, time: float) -> float:
     return time - 0.25 / (n + 1)
 
 
+def just_after(n: int, time: float) -> float:
+    """A time after the recomputation at ``time`` and before the next one (of a problem of
+    ``n`` nodes): where a value alive from just after it starts."""
+    return time + 0.5 / (n + 1)
+
+
 def recomputation_time(n: int, stage: int, node: int) -> float:
     """The time of ``node``'s recomputation in ``stage`` on the memory rows' axis (of a
     problem of ``n`` nodes): after stage ``stage - 1``, before the stage's own node, in node
-    order (the simulator's :func:`~solvers.simulator.chain_intermediates`)."""
+    order (the points of the simulator's :func:`~solvers.simulator.copy_spans`)."""
     return stage - 1 + (node + 1) / (n + 1)

@@ -19,13 +19,14 @@ Semantics:
 - The operand copies the resharding of node t's operands makes (an all-gathered or exchanged
   operand: ``ShardingProblem.gathered``) are alive in stage t, beside its operands and output;
   those of a recomputation are not counted.
-- Peak = max over t of the bytes alive at t (all values alive in a stage count together),
-  but for a copy recomputed in stage t only for other recomputations of that stage (an
-  intermediate of a chain, as a per-block ``jax.checkpoint`` recomputes one): the stage's
-  recomputations run in node order, and such a copy is alive from its own to its last
-  reader's (:func:`chain_intermediates`); the stage's bytes are the rest plus the most of
-  those alive at once. On the zoo Llama (dim 1024, seq 1024) on 2x4 under
-  ``nothing_saveable`` the attention block's chain held eight score-sized values at once.
+- Peak = max over t of the bytes alive at t. A stage runs its recomputations in node order,
+  then its node, and each copy is alive from its own point in its creation stage to its last
+  reader's point in its last stage (:func:`copy_spans`): the copies alive through a stage
+  count whole, and of those alive for part of it (an intermediate of a chain, as a per-block
+  ``jax.checkpoint`` recomputes one; a kept value a recomputation alone reads last; a copy
+  from its recomputation or run on) the most alive at once. On the zoo Llama (dim 1024, seq
+  1024) on 2x4 under ``nothing_saveable`` the attention block's chain held eight score-sized
+  values at once.
 - With ``overlap=True`` (Lynx), recomputations in the stage of a node with communication
   (its own collectives or operand resharding) run beside that communication when they have
   none of their own and neither the node nor a recomputation it waits for in that stage reads
@@ -169,8 +170,8 @@ def buffers(problem: ShardingProblem, strategy,
     non-input node (its own and each recomputation, alive from its creation to the last use it
     serves; a step output to stage ``n``) and the resharded operand copies of each stage's node.
     The inputs (phase ``param``) are left out: they are the step's arguments, alive throughout.
-    Their sum at a stage, plus the inputs, is the memory timeline there, but where a chain's
-    intermediates (:func:`chain_intermediates`) are counted over their whole stage here."""
+    Their sum at a stage, plus the inputs, bounds the memory timeline there from above: a
+    copy alive for part of a stage (:func:`copy_spans`) is counted over the whole stage here."""
     n = problem.num_nodes
     strategy = np.asarray(strategy, dtype=np.int64)
     served_until, _ = _lifetimes(problem, recompute_at or {}, problem.operands())
