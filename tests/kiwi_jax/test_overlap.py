@@ -21,7 +21,8 @@ def _step(overlap: bool):
     ref = build("gpt", **CONFIG)
     mesh = jax.make_mesh((1, 4), ("data", "model"), devices=jax.devices()[:4],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget="95%",
+    # at 95% the fastest plans include one that recomputes nothing; at 85% each recomputes
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget="85%",
                              cluster="a100-pcie@10x", solver="lynx-heu", cache_dir=False,
                              overlap=overlap, fit_compiles=1,   # placements, not the budget search
                              recipes=False)
@@ -42,10 +43,11 @@ def test_hidden_recomputations_are_scheduled_before_their_collective(overlapped)
     assert placed, "no recomputation of the overlap scope in the compiled schedule"
     for p in placed:
         assert p.collective is not None and p.collective_index > p.index
-        # XLA may schedule one planned resharding between them: measured, the embedding
+        # XLA may schedule planned reshardings between them: measured, the embedding
         # gradient's operand all-to-all before the combined gradient all-reduce (for both
-        # recomputations since they run behind one barrier per reader; for one before)
-        assert p.between <= 1, f"{p.name}: {p.between} collectives before its own"
+        # recomputations since they run behind one barrier per reader), and for one the
+        # all-gather the plan makes of the recomputed mask broadcast
+        assert p.between <= 2, f"{p.name}: {p.between} collectives before its own"
 
 
 def test_a_hidden_value_made_inside_an_inlined_call_is_placed_as_its_call(overlapped):
