@@ -151,10 +151,11 @@ class Model:
         return MilpResult(Status.INFEASIBLE, None, float("nan"), float("nan"), 0.0)
 
 
-def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+def _highs_lp(arrays):
+    """A model's :meth:`Model.arrays` as HiGHS's LP, without their integrality."""
     import highspy
 
-    matrix, lo, hi, lb, ub, cost, integer, _, offset = model.arrays()
+    matrix, lo, hi, lb, ub, cost, _, _, offset = arrays
     csc = matrix.tocsc()
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(cost), len(lo)
@@ -164,6 +165,14 @@ def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> Milp
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = \
         csc.indptr, csc.indices, csc.data
+    return lp
+
+
+def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+    import highspy
+
+    arrays = model.arrays()
+    integer, lp = arrays[6], _highs_lp(arrays)
     start = time.perf_counter()
     if not hint and integer.any():
         hint = _rounded_start(lp, integer, ROUNDING_SHARE * time_limit, threads)

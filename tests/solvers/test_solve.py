@@ -556,3 +556,23 @@ def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies(
                                MilpResult(Status.TIMEOUT_WITH_INCUMBENT, x, 10.0, 9.0, 1.0),
                                1e-3)
     assert unrelated.bound == 9.0
+
+
+def test_highs_starts_from_the_strategies_its_relaxation_prefers():
+    """Without a plan to start from, HiGHS is given the binaries its LP relaxation puts above
+    one half: at most one strategy per operator, and the solve completes that start."""
+    from solvers.backend import _highs_lp, _rounded_start
+    from solvers.joint import build_joint
+
+    p = random_problem(1, layers=3)
+    budget = int(0.8 * solvers.reference_plan(p).peak_bytes)
+    joint = build_joint(p, budget)
+    arrays = joint.model.arrays()
+    integer = arrays[6]
+    start = _rounded_start(_highs_lp(arrays), integer, 10.0, 1)
+    assert start and set(start.values()) == {1.0} and integer[list(start)].all()
+    for columns in joint.s_vars.values():
+        assert len(set(start) & set(columns.tolist())) <= 1
+    assert not _rounded_start(_highs_lp(arrays), integer, 0.0, 1)    # no time: no start
+    result = joint.model.solve("highs")
+    assert result.status == Status.OPTIMAL and np.isfinite(result.objective)
