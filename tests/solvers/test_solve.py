@@ -560,7 +560,8 @@ def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies(
 
 def test_highs_starts_from_the_strategies_its_relaxation_prefers():
     """Without a plan to start from, HiGHS is given the binaries its LP relaxation puts above
-    one half: at most one strategy per operator, and the solve completes that start."""
+    one half (at most one strategy per operator; none when the relaxation has no time), and
+    the solve from that start is optimal."""
     from solvers.backend import _highs_lp, _rounded_start
     from solvers.joint import build_joint
 
