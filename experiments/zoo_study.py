@@ -18,7 +18,8 @@ Budgets are the decorator's percentages: ``"100%"`` is the compiled memory of th
 ``alpa`` plan with no memory limit (the reference plan), ``"80%"`` four fifths of it.
 
 Usage: python -m experiments.zoo_study [--json] [--quick] [--models llama vit ...]
-       [--meshes 1x1 1x8 2x4 4x2] [--budgets 100% 80%] [--time-limit 60] [--name zoo]
+       [--meshes 1x1 1x8 2x4 4x2] [--budgets 100% 80%] [--time-limit 60] [--order auto]
+       [--name zoo]
        python -m experiments.zoo_study --table results/zoo.json    # its markdown tables
 Writes results/<NAME>.json after every cell (NAME defaults to ``zoo``) and prints the JSON as
 the last line with ``--json``.
@@ -46,6 +47,7 @@ import kiwi_jax  # noqa: E402
 from experiments import zoo  # noqa: E402
 from experiments.common import write_result  # noqa: E402
 from hlo_tools.layers import layer_report  # noqa: E402
+from kiwi_jax.apply import ORDERS  # noqa: E402
 from kiwi_jax.frontend import trace  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 from kiwi_jax.verify import compare_numerics  # noqa: E402
@@ -88,14 +90,16 @@ def traced_row(name: str, sizes: dict) -> dict:
     return row
 
 
-def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float) -> dict:
-    """Plan, apply, compile and check one model on one mesh under one budget."""
+def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float,
+         order: str = "auto") -> dict:
+    """Plan, apply, compile and check one model on one mesh under one budget (``order``: the
+    decorator's, the order the graph is planned in)."""
     row = {"model": name, "mesh": mesh, "budget": budget, "time_limit": time_limit}
     start = time.perf_counter()
     try:
         step, args = zoo.make(name, abstract=False, seed=0, **sizes)
         optimized = kiwi_jax.optimize(step, mesh=_mesh(mesh), memory_budget=budget,
-                                      time_limit=time_limit, cache_dir=False,
+                                      time_limit=time_limit, cache_dir=False, order=order,
                                       recipes=False)      # the study is of kiwi's own plans
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -159,12 +163,12 @@ def _progress(row: dict) -> str:
 
 
 def run(models, meshes, budgets, sizes: dict, time_limit: float, name: str, quick: bool,
-        print_json: bool) -> dict:
+        print_json: bool, order: str = "auto") -> dict:
     """The whole study; the result file is rewritten after every cell."""
     start = time.perf_counter()
     result = {"study": "zoo_study", "quick": quick, "models": list(models),
               "meshes": list(meshes), "budgets": list(budgets), "sizes": sizes,
-              "time_limit": time_limit, "numerics_steps": NUMERICS_STEPS,
+              "time_limit": time_limit, "order": order, "numerics_steps": NUMERICS_STEPS,
               "jax": jax.__version__, "traced": [], "rows": []}
     model_sizes = sizes if quick else {}
     for model in models:
@@ -178,7 +182,7 @@ def run(models, meshes, budgets, sizes: dict, time_limit: float, name: str, quic
     for mesh in meshes:                 # mesh by mesh: a cut-short run has whole meshes
         for model in models:
             for budget in budgets:
-                row = cell(model, model_sizes, mesh, budget, time_limit)
+                row = cell(model, model_sizes, mesh, budget, time_limit, order)
                 row["sizes"] = model_sizes
                 result["rows"].append(row)
                 print(_progress(row), file=sys.stderr, flush=True)
@@ -237,6 +241,8 @@ def main(argv=None) -> dict:
                         help="memory_budget values: percentages of the reference plan's "
                              "compiled memory or sizes such as 6MiB")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per solve")
+    parser.add_argument("--order", default="auto", choices=ORDERS,
+                        help="the order the graph is planned in (kiwi_jax.optimize's order)")
     parser.add_argument("--name", default="zoo", help="results/<name>.json")
     parser.add_argument("--quick", action="store_true",
                         help="a one-layer Llama of width 16 on 2x4 at 1.5 x the reference budget")
@@ -253,7 +259,7 @@ def main(argv=None) -> dict:
         return run(QUICK["models"], QUICK["meshes"], QUICK["budgets"], QUICK["sizes"],
                    QUICK["time_limit"], args.name, True, args.json)
     return run(args.models, args.meshes, args.budgets, {}, args.time_limit, args.name, False,
-               args.json)
+               args.json, args.order)
 
 
 if __name__ == "__main__":
