@@ -257,7 +257,7 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.ERROR)
     if args.quick:
         return run(QUICK["models"], QUICK["meshes"], QUICK["budgets"], QUICK["sizes"],
-                   QUICK["time_limit"], args.name, True, args.json)
+                   QUICK["time_limit"], args.name, True, args.json, args.order)
     return run(args.models, args.meshes, args.budgets, {}, args.time_limit, args.name, False,
                args.json, args.order)
 

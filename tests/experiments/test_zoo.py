@@ -152,3 +152,16 @@ def test_a_failure_is_a_row_with_its_stage_type_and_first_line(monkeypatch):
     error = {"type": "NotImplementedError", "message": "no plan for this step"}
     assert traced["error"] == {"stage": "trace", **error}
     assert row["error"] == {"stage": "plan", **error}
+
+
+def test_a_cell_plans_in_the_order_it_is_given(monkeypatch):
+    given = {}
+
+    def record(*args, **kwargs):
+        given.update(kwargs)
+        raise NotImplementedError("recorded")
+
+    monkeypatch.setattr(zoo_study.kiwi_jax, "optimize", record)
+    row = zoo_study.cell("llama", TINY["llama"], "2x4", "80%", time_limit=1.0, order="program")
+    assert given["order"] == "program" and given["recipes"] is False
+    assert row["error"]["message"] == "recorded"
