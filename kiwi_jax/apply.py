@@ -163,8 +163,11 @@ def in_program_order(num_devices: int, order: str = "auto") -> bool:
     study was no better (1 of 8 plans within 10% either way), so a mesh keeps the printed
     order until the model places combined collectives. With the fused memory model, on the
     reference GPT at hidden 1024 on 2x4, the program's order predicted the recipes better
-    and kiwi's plans ran faster (docs/recipes.md, "Memory model and order");
-    ``order="program"`` plans in it on any mesh."""
+    and kiwi's plans ran faster (docs/recipes.md, "Memory model and order"); on the zoo on
+    2x4 at 80% the same six of eight plans fit in either order, and neither was faster on
+    every model (the Llama 10% faster in the program's order, the MoE 23% slower:
+    docs/benchmarks.md, "2x4 at 80% with the relaxation's start"). ``order="program"`` plans
+    in it on any mesh."""
     check_order(order)
     return order == "program" or (order == "auto" and num_devices == 1)
 
