@@ -107,9 +107,9 @@ class FitStop(enum.Enum):
     measured and the faster step runs."""
     BLOCKS = "blocks"
     """No plan of the search fit, and the whole-block recomputation did, or the budget is under
-    the model's smallest peak and it fit with a faster compiled estimate (set by the decorator
-    on one device, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps
-    its input and recomputes the rest, compiled as its export (close to the step
+    the model's smallest peak and it fit with a faster compiled estimate (set by the decorator,
+    :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps its input and
+    recomputes the rest (on one device, compiled as its export: close to the step
     ``nothing_saveable`` gives)."""
 
 

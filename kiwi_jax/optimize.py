@@ -517,7 +517,7 @@ class OptimizedStep:
             beaten=None if recipe_steps is None else beaten,
             seconds=estimate)
         record = result.record
-        if options.mesh.devices.size == 1 and (not record.fits or infeasible is not None):
+        if not record.fits or infeasible is not None:
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied)
             if whole is not None and (not record.fits
                                       or estimate(whole) < estimate(result.plan)):
@@ -552,21 +552,24 @@ class OptimizedStep:
 
     def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
                       applied: dict[str, CompiledPlan]) -> Plan | None:
-        """On one device, when no plan of the budget search fits, or the budget is under the
-        model's smallest peak (there the search's plans are the model's least-memory ones,
-        which it ranks worst: on the 2-layer reference GPT at 19 MB with the per-operator
-        model, the smallest-peak plan compiles to 16.51 MB and an estimated 0.7468 ms, the
-        whole-block one to 17.90 MB and 0.7096 ms, the faster of the two runs): the planner's
-        whole-block recomputation (``alpa+full``: each layer keeps its input and recomputes
-        the rest that eq. 9 and its chains allow), compiled as the decorator runs it, if it
-        fits (None otherwise). Run as its export (each block under its layer's
-        ``jax.checkpoint``) it is
-        close to the step ``nothing_saveable`` gives, where the search's smallest plans were
-        7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem charged
-        with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
+        """When no plan of the budget search fits, or the budget is under the model's
+        smallest peak (there the search's plans are the model's least-memory ones, which it
+        ranks worst: on the 2-layer reference GPT on one device at 19 MB with the
+        per-operator model, the smallest-peak plan compiles to 16.51 MB and an estimated
+        0.7468 ms, the whole-block one to 17.90 MB and 0.7096 ms, the faster of the two
+        runs): the planner's whole-block recomputation (``alpa+full``: each layer keeps its
+        input and recomputes the rest that eq. 9 and its chains allow, its operators sharded
+        for speed), compiled as the decorator runs it, if it fits (None otherwise).
+
+        On one device, run as its export (each block under its layer's ``jax.checkpoint``),
+        it is close to the step ``nothing_saveable`` gives, where the search's smallest plans
+        were 7.7-9.9% over that policy's memory (``docs/benchmarks.md``): on the problem
+        charged with what the compiled reference stores, the zoo mixer's, ViT's, Llama's and
         encoder-decoder's compiled to that policy's bytes exactly; on the fusion rules' (a
         byte budget with ``memory_model="auto"``), which leave some values undroppable, the
-        ViT's to 3.2% under it and the mixer's 7.3% over. The plan's ``fit`` record says it
+        ViT's to 3.2% under it and the mixer's 7.3% over. On a mesh, the zoo
+        encoder-decoder on 2x4 at 80% (501,027 B): the search's plans compiled to 565,060
+        and 550,020 B, the whole-block one to 465,284 B. The plan's ``fit`` record says it
         was chosen so (``FitStop.BLOCKS``)."""
         options = self.options
         try:
