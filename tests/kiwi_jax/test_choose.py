@@ -164,8 +164,12 @@ def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, monkeypatch
     """An MLP of dimensions 2x4 does not divide, under the reference plan's predicted peak
     (4,076 B; it compiles to 5,700 B) with one compile: kiwi's plan compiles over the budget;
     ``fsdp+tp`` fits it and runs instead, without the warning. The recipes are compiled once,
-    for the budget search and the choice."""
-    compiled = _counted_recipe_compiles(monkeypatch)
+    for the budget search and the choice. The whole-block recomputation is tried on the mesh
+    too, once, and does not fit."""
+    compiled, blocks = _counted_recipe_compiles(monkeypatch), []
+    real = OptimizedStep._whole_blocks
+    monkeypatch.setattr(OptimizedStep, "_whole_blocks",
+                        lambda *a, **k: blocks.append(real(*a, **k)) or blocks[-1])
     ref = build("mlp", layers=2, width=24, in_dim=12, out_dim=12, batch=6)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=recipes,
                              **{**OPTIONS, "memory_budget": 4_076})
@@ -175,6 +179,7 @@ def test_kiwis_plan_over_the_budget_warns_only_when_it_runs(recipes, monkeypatch
     over = [w for w in caught if "running the one that compiled smallest" in str(w.message)]
     assert not prepared.plan.fit.fits and len(compiled) == bool(recipes)
     assert prepared.runs_recipe == bool(recipes) and len(over) == (not recipes)
+    assert blocks == [None] and prepared.plan.fit.stop != FitStop.BLOCKS
 
 
 def test_the_budget_search_stops_where_a_recipe_that_fits_is_faster(monkeypatch, mesh24):
