@@ -43,6 +43,7 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 from flax import nnx
@@ -518,7 +519,8 @@ class OptimizedStep:
             seconds=estimate)
         record = result.record
         if not record.fits or infeasible is not None:
-            whole = self._whole_blocks(traced, build, abstract, budget, record, applied)
+            whole = self._whole_blocks(traced, build, abstract, budget, record, applied,
+                                       estimate)
             if whole is not None and (not record.fits
                                       or estimate(whole) < estimate(result.plan)):
                 return whole, applied[whole.fingerprint]
@@ -551,15 +553,18 @@ class OptimizedStep:
         return compiled_cost(applied.compiled, self.options.mesh, build.cluster).step_seconds
 
     def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
-                      applied: dict[str, CompiledPlan]) -> Plan | None:
+                      applied: dict[str, CompiledPlan],
+                      estimate: Callable[[Plan], float]) -> Plan | None:
         """When no plan of the budget search fits, or the budget is under the model's
         smallest peak (there the search's plans are the model's least-memory ones, which it
         ranks worst: on the 2-layer reference GPT on one device at 19 MB with the
         per-operator model, the smallest-peak plan compiles to 16.51 MB and an estimated
         0.7468 ms, the whole-block one to 17.90 MB and 0.7096 ms, the faster of the two
         runs): the planner's whole-block recomputation (``alpa+full``: each layer keeps its
-        input and recomputes the rest that eq. 9 and its chains allow, its operators sharded
-        for speed), compiled as the decorator runs it, if it fits (None otherwise).
+        input and recomputes the rest that eq. 9 and its chains allow; its operators sharded
+        for speed, then, if that is over, for the least memory its model finds:
+        :meth:`_whole_block_plans`), compiled as the decorator runs it, if it fits (None
+        otherwise).
 
         On one device, run as its export (each block under its layer's ``jax.checkpoint``),
         it is close to the step ``nothing_saveable`` gives, where the search's smallest plans
@@ -570,29 +575,60 @@ class OptimizedStep:
         ViT's to 3.2% under it and the mixer's 7.3% over. On a mesh, the zoo
         encoder-decoder on 2x4 at 80% (501,027 B): the search's plans compiled to 565,060
         and 550,020 B, the whole-block one to 465,284 B. The plan's ``fit`` record says it
-        was chosen so (``FitStop.BLOCKS``)."""
+        was chosen so (``FitStop.BLOCKS``), with its compiled-cost ``estimate``."""
+        solves = 0
+        for label, plan, calls in self._whole_block_plans(build, budget):
+            solves += calls
+            if plan is None:
+                continue
+            if not plan.recomputed:         # no layer to recompute: the search's plans stand
+                return None
+            if plan.fingerprint not in applied:
+                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
+            compiled = applied[plan.fingerprint].memory.peak_bytes
+            log.info("%s: whole-block recomputation (%s) compiles to %d B (budget %d B)",
+                     self.__name__, label, compiled, budget)
+            if compiled > budget:
+                continue
+            trial = FitTrial(budget, plan.predicted_peak_bytes, compiled,
+                             plan.predicted_step_seconds, compiled_step_seconds=estimate(plan))
+            fit = dataclasses.replace(record, trials=(*record.trials, trial),
+                                      chosen=len(record.trials), stop=FitStop.BLOCKS,
+                                      solves=record.solves + solves)
+            return dataclasses.replace(plan, fit=fit)
+        return None
+
+    def _whole_block_plans(self, build: ProblemBuild, budget: int):
+        """The whole-block recomputation's plans, lazily, as ``(label, plan, solver calls)``:
+        the fastest (no memory limit), then the one its model gives under ``budget``, or,
+        where it has none there, under its smallest feasible budget (``plan`` None where a
+        solve gives none). Their layouts differ: on the zoo mixer on 2x4 at 80% (446,412 B)
+        the fastest compiles to 596,084 B, and the least-memory one, solved under 618,116 B
+        (the model's smallest feasible budget for it), to 424,168 B."""
         options = self.options
+
+        def solve(solver_budget):
+            return plan_from_solution(build, solvers.solve(
+                build.problem, solver_budget, solver="alpa+full", **options.solver_options()),
+                budget)
+
         try:
-            solution = solvers.solve(build.problem, None, solver="alpa+full",
-                                     **options.solver_options())
+            yield "fastest", solve(None), 1
         except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
             log.info("%s: no whole-block plan (%s)", self.__name__, error)
-            return None
-        plan = plan_from_solution(build, solution, budget)
-        if not plan.recomputed:
-            return None
-        if plan.fingerprint not in applied:
-            applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
-        compiled = applied[plan.fingerprint].memory.peak_bytes
-        log.info("%s: whole-block recomputation compiles to %d B (budget %d B)", self.__name__,
-                 compiled, budget)
-        if compiled > budget:
-            return None
-        trial = FitTrial(budget, plan.predicted_peak_bytes, compiled, plan.predicted_step_seconds)
-        fit = dataclasses.replace(record, trials=(*record.trials, trial),
-                                  chosen=len(record.trials), stop=FitStop.BLOCKS,
-                                  solves=record.solves + 1)
-        return dataclasses.replace(plan, fit=fit)
+            yield "fastest", None, 1
+        try:
+            yield "least memory", solve(budget), 1
+        except solvers.InfeasibleBudgetError as error:
+            if error.min_feasible_bytes is None:
+                log.info("%s: no least-memory whole-block plan (%s)", self.__name__, error)
+                return
+            try:
+                yield "least memory", solve(error.min_feasible_bytes), 2
+            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as again:
+                log.info("%s: no least-memory whole-block plan (%s)", self.__name__, again)
+        except solvers.SolverTimeoutError as error:
+            log.info("%s: no least-memory whole-block plan (%s)", self.__name__, error)
 
     def _warn_over_budget(self, plan: Plan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
