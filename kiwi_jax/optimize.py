@@ -577,7 +577,7 @@ class OptimizedStep:
         and 550,020 B, the whole-block one to 465,284 B. The plan's ``fit`` record says it
         was chosen so (``FitStop.BLOCKS``), with its compiled-cost ``estimate``."""
         solves = 0
-        for label, plan, calls in self._whole_block_plans(build, budget):
+        for label, plan, calls, solver_budget in self._whole_block_plans(build, budget):
             solves += calls
             if plan is None:
                 continue
@@ -590,7 +590,7 @@ class OptimizedStep:
                      self.__name__, label, compiled, budget)
             if compiled > budget:
                 continue
-            trial = FitTrial(budget, plan.predicted_peak_bytes, compiled,
+            trial = FitTrial(solver_budget or budget, plan.predicted_peak_bytes, compiled,
                              plan.predicted_step_seconds, compiled_step_seconds=estimate(plan))
             fit = dataclasses.replace(record, trials=(*record.trials, trial),
                                       chosen=len(record.trials), stop=FitStop.BLOCKS,
@@ -599,12 +599,13 @@ class OptimizedStep:
         return None
 
     def _whole_block_plans(self, build: ProblemBuild, budget: int):
-        """The whole-block recomputation's plans, lazily, as ``(label, plan, solver calls)``:
-        the fastest (no memory limit), then the one its model gives under ``budget``, or,
-        where it has none there, under its smallest feasible budget (``plan`` None where a
-        solve gives none). Their layouts differ: on the zoo mixer on 2x4 at 80% (446,412 B)
-        the fastest compiles to 596,084 B, and the least-memory one, solved under 618,116 B
-        (the model's smallest feasible budget for it), to 424,168 B."""
+        """The whole-block recomputation's plans, lazily, as ``(label, plan, solver calls,
+        solver budget)``: the fastest (no memory limit: solver budget None), then the one its
+        model gives under ``budget``, or, where it has none there, under its smallest feasible
+        budget (``plan`` None where a solve gives none). Their layouts differ: on the zoo
+        mixer on 2x4 at 80% (446,412 B) the fastest compiles to 596,084 B, and the
+        least-memory one, solved under 618,116 B (the model's smallest feasible budget for
+        it), to 424,168 B."""
         options = self.options
 
         def solve(solver_budget):
@@ -613,18 +614,19 @@ class OptimizedStep:
                 budget)
 
         try:
-            yield "fastest", solve(None), 1
+            yield "fastest", solve(None), 1, None
         except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
             log.info("%s: no whole-block plan (%s)", self.__name__, error)
-            yield "fastest", None, 1
+            yield "fastest", None, 1, None
         try:
-            yield "least memory", solve(budget), 1
+            yield "least memory", solve(budget), 1, budget
         except solvers.InfeasibleBudgetError as error:
             if error.min_feasible_bytes is None:
                 log.info("%s: no least-memory whole-block plan (%s)", self.__name__, error)
                 return
             try:
-                yield "least memory", solve(error.min_feasible_bytes), 2
+                yield "least memory", solve(error.min_feasible_bytes), 2, \
+                    error.min_feasible_bytes
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as again:
                 log.info("%s: no least-memory whole-block plan (%s)", self.__name__, again)
         except solvers.SolverTimeoutError as error:
