@@ -518,7 +518,9 @@ class OptimizedStep:
             beaten=None if recipe_steps is None else beaten,
             seconds=estimate)
         record = result.record
-        if not record.fits or infeasible is not None:
+        # not for Lynx, whose plans are the recomputations it hides under collectives
+        if (not record.fits or infeasible is not None) \
+                and options.solver not in solvers.LYNX_SOLVERS:
             whole = self._whole_blocks(traced, build, abstract, budget, record, applied,
                                        estimate)
             if whole is not None and (not record.fits
