@@ -369,6 +369,8 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             exact, warm_start = True, _Start(strategy, keep, schedule)
             refining = result, joint, fixed, again, (strategy, keep, schedule, sim)
             refine_until = min(deadline, time.perf_counter() + max(2 * result.seconds, 2.0))
+            relaxed = max(relaxed, refine_until)   # its own window: the relaxation's share
+            # may have passed (then it had 1 s, and the final solve redid its work)
             continue
         if budget_bytes is None or peak <= budget_bytes:
             break

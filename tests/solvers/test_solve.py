@@ -171,6 +171,37 @@ def test_the_relaxed_solves_share_is_of_the_time_left_once_it_is_built(monkeypat
     assert limits[0] == pytest.approx(module.RELAXED_SHARE * 50)
 
 
+def test_the_exact_forms_refinement_has_its_own_window_after_the_relaxed_share(monkeypatch):
+    # Without a warm start the program without the copies has 40% of the time; the bounded
+    # form's plan at the budget is then solved for in the exact form for twice the time that
+    # solve took, a window of its own. Capped at the relaxation's share, which had passed, the
+    # exact form of the zoo encoder-decoder on 2x4 had 7.6 s of its 19.8, did not prove its
+    # plan, and the final solve spent 10 s more to the same plan. chain_problem with a second
+    # layout of the parameter (never taken) whose operand copy puts the copies in the program;
+    # a clock on which each backend call takes 30 of the 100 s.
+    phases = [Phase.PARAM, *[Phase.FORWARD] * 3, *[Phase.BACKWARD] * 3, Phase.OPTIMIZER]
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (2, 5), (5, 6), (1, 6), (6, 7), (0, 7)]
+    compute = [[0.0, 100.0], [1.0], [5.0], [1.0], [1.0], [2.0], [2.0], [1.0]]
+    memory = [[10, 10], [100], [100], [1], [1], [100], [100], [10]]
+    resharding = [[[0.0], [0.0]], *[[[0.0]]] * 8, [[0.0], [0.0]]]
+    p = make_problem(phases, edges, compute, memory, resharding=resharding, outputs=(3, 7))
+    p = dataclasses.replace(p, gathered=(np.array([[0], [5]]), *[np.zeros((1, 1), int)] * 8,
+                                         np.zeros((2, 1), int)))
+    module, limits, real, clock = sys.modules["solvers.solve"], [], Model.solve, [0.0]
+
+    def thirty_seconds(self, backend, time_limit, **kwargs):
+        limits.append(time_limit)
+        clock[0] += 30.0
+        return dataclasses.replace(real(self, backend, time_limit=time_limit, **kwargs),
+                                   seconds=30.0)
+
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(Model, "solve", thirty_seconds)
+    plan = solve(p, 311, solver="kiwi", time_limit=100, warm_start=None)
+    assert plan.recomputed.tolist() == [1] and plan.peak_bytes == 311
+    assert limits == [pytest.approx(module.RELAXED_SHARE * 100), pytest.approx(2 * 30.0)]
+
+
 def test_memory_budget_moves_to_the_smaller_strategy():
     # one node, strategies: fast and big (1 s, 100 B) or slow and small (3 s, 10 B)
     p = make_problem([Phase.FORWARD], [], [[1.0, 3.0]], [[100, 10]])
