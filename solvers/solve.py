@@ -321,9 +321,12 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
                                 joint.model.solve(backend, time_limit=time_limit,
                                                   mip_gap=mip_gap, seed=seed, threads=threads,
                                                   hint=hint), mip_gap)
-        if refining is not None and result.x is None:      # keep the bounded form's plan
-            log.info("%s: the exact form found no plan in %.0f s; the bounded form's stands",
-                     solver, time_limit)
+        if refining is not None and (result.x is None or (
+                result.status != Status.OPTIMAL
+                and result.objective >= refining[0].objective * (1 - 1e-6))):
+            # keep the bounded form's plan, and its form: HiGHS finds plans faster there
+            log.info("%s: the exact form found no %s in %.0f s; the bounded form's stands",
+                     solver, "plan" if result.x is None else "faster plan", time_limit)
             result, joint, fixed, again, (strategy, keep, schedule, sim) = refining
             peak, programs.exact = sim.peak_bytes, False
             break
