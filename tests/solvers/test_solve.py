@@ -14,7 +14,7 @@ import pytest
 import solvers
 from solvers import InfeasibleBudgetError, Status, simulate, solve
 from solvers.backend import MilpResult, Model
-from solvers.linexpr import const
+from solvers.linexpr import const, var
 from solvers.phase import Phase
 from solver_graphs import chain_problem, layered_problem, make_problem, random_problem
 
@@ -618,6 +618,38 @@ def test_a_bound_proven_on_the_relaxation_holds_for_the_program_with_the_copies(
     assert unrelated.bound == 9.0
 
 
+def test_an_integral_relaxation_is_the_answer_without_a_search(monkeypatch):
+    """A program whose LP relaxation is integral (the reference plan's, with no memory limit)
+    is answered from the relaxation: its rounding, completed, proven optimal by its bound,
+    and HiGHS's search does not run; the same plan as the search's. A fractional one goes to
+    the search."""
+    import solvers.backend as backend
+
+    p = random_problem(1, layers=3)
+    joint = solvers.joint.build_joint(p, None, fixed_keep=np.ones(p.num_nodes, bool))
+    searched = joint.model.solve("highs", hint={0: 0.0})         # a hint: no relaxation
+    answers, real = [], backend._integral_relaxation
+
+    def recorded(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(backend, "_integral_relaxation", recorded)
+    proven = joint.model.solve("highs")
+    assert answers[-1] is not None and proven.status == Status.OPTIMAL
+    assert proven.objective == pytest.approx(searched.objective) and proven.gap <= 1e-9
+    integer = joint.model.arrays()[6]
+    assert np.array_equal(proven.x[integer].round(), proven.x[integer])
+    # items of 2 B each, worth 3, 2 and 2, in 3 B: the relaxation takes one and a half
+    knapsack = Model()
+    knapsack.add_vars(3)
+    knapsack.add_terms([0, 1, 2], [2.0, 2.0, 2.0], hi=3.0)
+    knapsack.minimize(var(0, -3.0) + var(1, -2.0) + var(2, -2.0))
+    result = knapsack.solve("highs")
+    assert answers[-1] is None and result.status == Status.OPTIMAL
+    assert result.objective == pytest.approx(-3.0)
+
+
 def test_highs_starts_from_the_strategies_its_relaxation_prefers():
     """Without a plan to start from, HiGHS is given the binaries its LP relaxation puts above
     one half (at most one strategy per operator; none when the relaxation has no time), and
@@ -630,10 +662,11 @@ def test_highs_starts_from_the_strategies_its_relaxation_prefers():
     joint = build_joint(p, budget)
     arrays = joint.model.arrays()
     integer = arrays[6]
-    start = _rounded_start(_highs_lp(arrays), integer, 10.0, 1)
+    start, relaxation = _rounded_start(_highs_lp(arrays), integer, 10.0, 1)
     assert start and set(start.values()) == {1.0} and integer[list(start)].all()
+    assert relaxation is not None and relaxation[0].shape == integer.shape
     for columns in joint.s_vars.values():
         assert len(set(start) & set(columns.tolist())) <= 1
-    assert not _rounded_start(_highs_lp(arrays), integer, 0.0, 1)    # no time: no start
+    assert _rounded_start(_highs_lp(arrays), integer, 0.0, 1) == ({}, None)   # no time
     result = joint.model.solve("highs")
     assert result.status == Status.OPTIMAL and np.isfinite(result.objective)
