@@ -176,11 +176,17 @@ def test_a_budget_under_the_plain_step_is_searched_against_the_compiler(caplog, 
     assert fit.compiled_peak_bytes == device_memory(prepared.compiled).peak_bytes <= budget
     assert 1 <= fit.compiles <= 6 and fit.solves <= 8
     assert caplog.text.count("fit: solver budget") == len(fit.trials)     # one line per trial
-    # it uses 97% of the budget, or no plan is faster with more memory
+    # it uses 97% of the budget, or no plan is faster with more memory: the search stopped at
+    # a plan the model prices as fast as the fastest with no limit, and what runs is the
+    # fastest of the plans that fit by the compiled estimate (on the code of 2026-11-30 the
+    # first trial, 0.861 of the budget, whose prediction is 5% slower than the last's)
     assert fit.ratio >= 0.97 or fit.stop == FitStop.FASTEST, fit.describe()
     if fit.ratio < 0.97:
         fastest = solvers.reference_plan(prepared.build.problem, time_limit=60.0)
-        assert plan.predicted_step_seconds <= fastest.objective * (1 + FAST["mip_gap"])
+        assert fit.trials[-1].predicted_step_seconds <= fastest.objective * (1 + FAST["mip_gap"])
+        fitting = [t.compiled_step_seconds for t in fit.trials
+                   if t.compiled and t.compiled_peak_bytes <= budget]
+        assert fit.trials[fit.chosen].compiled_step_seconds == min(fitting)
     # Under the model's smallest peak. Its error's bounds are of kiwi's own program (the exact
     # form of the chains' lifetimes, which the solve above falls back to): none above a budget
     # it planned under (the bounded form's named 27.0 MB, where 25 MB plans). The search starts
