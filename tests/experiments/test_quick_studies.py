@@ -6,7 +6,8 @@ import json
 import pytest
 
 from experiments import (bandwidth_sweep, cost_agreement, heap_gap, lynx_pipeline, mesh_sweep,
-                         optimality, remat_baselines, report, solver_scaling, vs_recipes)
+                         optimality, remat_baselines, report, solver_scaling, vs_recipes,
+                         zoo_solve)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -167,6 +168,20 @@ def test_vs_recipes_quick(results, capsys):
     assert dp["step_seconds"] > 0 and fsdp["step_seconds"] > 0
     assert kiwi["kind"] == "kiwi" and kiwi["budget_bytes"] == 4 * 2**20
     assert kiwi["fits"] == (kiwi["compiled_bytes"] <= kiwi["budget_bytes"])
+
+
+def test_zoo_solve_times_one_solve_per_cell(results, capsys):
+    # 10 MB per device holds the zoo Llama on one device whole: a plan that keeps everything
+    result = zoo_solve.main(["--cells", "llama:1x1:10000000", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["rows"] == json.loads((results / "zoo_solve.json").read_text())["rows"]
+    (row,) = result["rows"]
+    assert (row["model"], row["mesh"], row["budget_bytes"]) == ("llama", "1x1", 10_000_000)
+    assert row["status"] == "optimal" and 0 < row["peak_bytes"] <= 10_000_000
+    assert row["step_seconds"] > 0 and row["solve_seconds"] >= 0
+    with pytest.raises(SystemExit):
+        zoo_solve.main(["--cells", "llama:1x1"])
+    assert "expected MODEL:MESH:BYTES" in capsys.readouterr().err
 
 
 def test_cost_agreement_quick(results, capsys):
