@@ -81,6 +81,23 @@ def problem_of(model: str, layers: int, mesh: str, cluster: str = "v100-nvlink",
     return built, sum(timings.values())
 
 
+def timed_solve(problem, budget: int, time_limit: float, reuse_layers: bool = True) -> dict:
+    """One ``solvers.solve`` of ``problem`` under ``budget`` with the library's other defaults,
+    timed: status, gap, program size, the plan's simulated step and peak, and the seconds; an
+    error's name as the status where there is no plan."""
+    start = time.perf_counter()
+    try:
+        sol = solvers.solve(problem, budget, time_limit=time_limit, reuse_layers=reuse_layers,
+                            search_min_feasible=False)
+    except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+        return {"status": type(error).__name__, "solve_seconds":
+                round(time.perf_counter() - start, 2)}
+    sim = solvers.simulate(problem, sol.strategy, recompute_at=sol.recompute_at)
+    return {"status": sol.status.value, "gap": sol.gap, "num_vars": sol.num_vars,
+            "num_constraints": sol.num_constraints, "step_seconds": sim.step_seconds,
+            "peak_bytes": sim.peak_bytes, "solve_seconds": round(time.perf_counter() - start, 2)}
+
+
 def sweep_fractions(lowest: float, step: float = 0.05) -> list[float]:
     """Budget fractions from 100% down in ``step``s, ending with the first one under
     ``lowest`` (the point where every method has failed)."""

@@ -25,25 +25,11 @@ import sys
 import time
 
 import solvers
-from experiments.common import problem_of, write_result
+from experiments.common import problem_of, timed_solve, write_result
 from solvers.options import DEFAULTS
 
 TARGETS = {4: 10.0, 20: 15.0, 96: 30.0}
 """Depth -> solve seconds the planner is meant to stay within."""
-
-
-def _solve(problem, budget: int, time_limit: float, reuse_layers: bool) -> dict:
-    start = time.perf_counter()
-    try:
-        sol = solvers.solve(problem, budget, time_limit=time_limit, reuse_layers=reuse_layers,
-                            search_min_feasible=False)
-    except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
-        return {"status": type(error).__name__, "solve_seconds":
-                round(time.perf_counter() - start, 2)}
-    sim = solvers.simulate(problem, sol.strategy, recompute_at=sol.recompute_at)
-    return {"status": sol.status.value, "gap": sol.gap, "num_vars": sol.num_vars,
-            "num_constraints": sol.num_constraints, "step_seconds": sim.step_seconds,
-            "solve_seconds": round(time.perf_counter() - start, 2)}
 
 
 def depth_row(layers: int, mesh: str, fraction: float, time_limit: float,
@@ -58,13 +44,13 @@ def depth_row(layers: int, mesh: str, fraction: float, time_limit: float,
     reference = solvers.reference_plan(problem, time_limit=time_limit)
     row["reference_seconds"] = round(time.perf_counter() - start, 2)
     budget = int(fraction * reference.peak_bytes)
-    row.update(budget_bytes=budget, **_solve(problem, budget, time_limit, True))
+    row.update(budget_bytes=budget, **timed_solve(problem, budget, time_limit))
     target = TARGETS.get(layers)
     row["target_seconds"] = target
     row["meets_target"] = None if target is None else bool(
         row["status"] in ("optimal", "feasible") and row["solve_seconds"] <= target)
     if untied:
-        full = _solve(problem, budget, time_limit, False)
+        full = timed_solve(problem, budget, time_limit, reuse_layers=False)
         row["untied"] = full
         if "step_seconds" in full and "step_seconds" in row:
             row["tied_over_untied"] = row["step_seconds"] / full["step_seconds"]

@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -27,25 +26,15 @@ if "jax" not in sys.modules:
 
 def solve_cell(model: str, mesh: str, budget: int, time_limit: float) -> dict:
     """Trace ``model``, build its problem on ``mesh`` and time one solve under ``budget``."""
-    import solvers
     from experiments import zoo
-    from experiments.common import PlanCompiler
+    from experiments.common import PlanCompiler, timed_solve
 
     step, args = zoo.make(model)
     compiler = PlanCompiler.for_step(step, args, mesh)
     compiler.charge_stored()                     # as the decorator does for the fused model
     problem = compiler.build.problem
-    row = {"model": model, "mesh": mesh, "budget_bytes": budget,
-           "operators": int(problem.num_nodes)}
-    start = time.perf_counter()
-    try:
-        plan = solvers.solve(problem, budget, time_limit=time_limit, search_min_feasible=False)
-    except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
-        return {**row, "status": type(error).__name__,
-                "solve_seconds": round(time.perf_counter() - start, 2)}
-    return {**row, "status": plan.status.value, "gap": plan.gap, "num_vars": plan.num_vars,
-            "step_seconds": plan.objective, "peak_bytes": plan.peak_bytes,
-            "solve_seconds": round(time.perf_counter() - start, 2)}
+    return {"model": model, "mesh": mesh, "budget_bytes": budget,
+            "operators": int(problem.num_nodes), **timed_solve(problem, budget, time_limit)}
 
 
 def _cell(text: str) -> tuple[str, str, int]:
