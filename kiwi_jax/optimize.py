@@ -622,17 +622,19 @@ class OptimizedStep:
             yield "fastest", None, 1, None
         try:
             yield "least memory", solve(budget), 1, budget
-        except solvers.InfeasibleBudgetError as error:
-            if error.min_feasible_bytes is None:
-                log.info("%s: no least-memory whole-block plan (%s)", self.__name__, error)
-                return
+            return
+        except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+            failed = error
+        # where the model has no plan under the budget: under its smallest feasible one
+        floor = failed.min_feasible_bytes \
+            if isinstance(failed, solvers.InfeasibleBudgetError) else None
+        if floor is not None:
             try:
-                yield "least memory", solve(error.min_feasible_bytes), 2, \
-                    error.min_feasible_bytes
+                yield "least memory", solve(floor), 2, floor
+                return
             except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as again:
-                log.info("%s: no least-memory whole-block plan (%s)", self.__name__, again)
-        except solvers.SolverTimeoutError as error:
-            log.info("%s: no least-memory whole-block plan (%s)", self.__name__, error)
+                failed = again
+        log.info("%s: no least-memory whole-block plan (%s)", self.__name__, failed)
 
     def _warn_over_budget(self, plan: Plan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
