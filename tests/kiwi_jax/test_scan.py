@@ -144,23 +144,31 @@ def test_two_scans_of_layers_number_their_layers_one_after_the_other():
         assert {n.phase for n in dots} == {Phase.FORWARD, Phase.BACKWARD}, layer
 
 
-def test_a_value_of_a_scan_body_is_recomputed_inside_its_backward_iteration():
-    args = _mlp_args()
-    traced = trace_for_planning(functionalize(_sgd_step, args))
-    tanh = [path for path, _ in traced.representative
-            if re.fullmatch(r"\d+s0_\d+", path)
-            and traced.graph.nodes[traced.representative[(path, 0)]].opcode == "tanh"]
-    assert len(tanh) == 1                         # layer 0's tanh, forward
-    plan = dict(recompute=frozenset(tanh))
-    fn = _interpreted(_sgd_step, args, **plan)
-    _assert_close(_run(fn, *args), _run(_sgd_step, *args))
-    entry = parse_module(lower_to_hlo(fn, *args)).entry
-    by_name = {instr.name: instr for instr in entry.instructions}
-    tagged = [i for i in entry.instructions if i.opcode == "tanh" and tag_of(i.op_name) == tanh[0]]
-    assert len(tagged) == 2                       # computed, then recomputed
+def _residuals(traced, layer=None):
+    """``{path: node}`` of the forward scan-body values (dots aside) that a backward node of
+    their own layer reads: the residuals the forward iteration stacks for its backward
+    iteration. Which ones they are is the derivative rules' choice (jax 0.10 stacks ``tanh``
+    and ``1 - tanh``, jax 0.11 the ``1 - tanh**2`` of its ``one_minus_square``)."""
+    graph = traced.graph
+    found = {}
+    for (path, k), node in traced.representative.items():
+        n = graph.nodes[node]
+        if k == 0 and re.fullmatch(r"\d+s\d_\d+", path) and n.phase == Phase.FORWARD \
+                and n.opcode != "dot" and (layer is None or n.layer == layer) \
+                and any(graph.nodes[u].phase == Phase.BACKWARD and graph.nodes[u].layer == n.layer
+                        for u in graph.users[n.id]):
+            found[path] = node
+    return found
 
-    def backward_layers_before(instr):
-        """The layers of the backward instructions ``instr`` depends on (barriers included)."""
+
+def _backward_layers(text: str, path: str) -> list[set[int]]:
+    """For each instruction of the lowered ``text`` tagged with ``path``: the layers of the
+    backward instructions it depends on (through the barriers too). Empty: computed in the
+    forward pass; the layers of a backward iteration and those after it: recomputed there."""
+    entry = parse_module(text).entry
+    by_name = {instr.name: instr for instr in entry.instructions}
+
+    def before(instr):
         seen, stack, layers = set(), [instr.name], set()
         while stack:
             for operand in by_name[stack.pop()].operands:
@@ -171,25 +179,49 @@ def test_a_value_of_a_scan_body_is_recomputed_inside_its_backward_iteration():
                     layers |= {int(found.group(1))} if found else set()
         return layers
 
-    # the recomputation waits behind its barrier, tied to the other inputs of its reader, for
-    # layer 0's backward iteration to reach it (after layers 2 and 1's); the first computation
-    # waits for no backward value
-    assert [backward_layers_before(i) for i in tagged] == [set(), {0, 1, 2}]
+    return [before(i) for i in entry.instructions if tag_of(i.op_name) == path]
+
+
+def _computed_where(text: str, path: str, forward_readers: bool) -> None:
+    """Assert that the value at ``path`` (layer ``l`` of three) is recomputed in its backward
+    iteration, after the later layers' (its recomputation waits behind a barrier tied to its
+    reader's other inputs), and computed in the forward pass only where the forward pass
+    reads it (otherwise that computation is dead once the value is dropped)."""
+    layer = int(re.match(r"\d+s(\d+)_", path).group(1))
+    where = {frozenset(layers) for layers in _backward_layers(text, path)}
+    assert where == {frozenset(range(layer, 3))} | ({frozenset()} if forward_readers else set()), \
+        (path, where)
+
+
+def test_a_value_of_a_scan_body_is_recomputed_inside_its_backward_iteration():
+    args = _mlp_args()
+    traced = trace_for_planning(functionalize(_sgd_step, args))
+    graph = traced.graph
+    residuals = _residuals(traced, layer=0)
+    assert residuals                              # layer 0's residuals, forward
+    plain = lower_to_hlo(_interpreted(_sgd_step, args), *args)
+    for path, node in residuals.items():
+        assert {frozenset(s) for s in _backward_layers(plain, path)} == {frozenset()}
+        fn = _interpreted(_sgd_step, args, recompute=frozenset([path]))
+        _assert_close(_run(fn, *args), _run(_sgd_step, *args))
+        forward_readers = any(graph.nodes[u].phase == Phase.FORWARD for u in graph.users[node])
+        _computed_where(lower_to_hlo(fn, *args), path, forward_readers)
 
 
 def test_a_plan_that_recomputes_a_scan_body_value_is_applied(mesh24):
     args = _mlp_args()
     traced = trace_for_planning(functionalize(_sgd_step, args))
-    nodes = {path: traced.representative[(path, 0)] for path, k in traced.representative
-             if k == 0 and re.fullmatch(r"\d+s\d_\d+", path)}
-    tanh = {path: node for path, node in nodes.items() if traced.graph.nodes[node].opcode == "tanh"}
-    assert len(tanh) == 3 and all(traced.graph.nodes[n].phase == Phase.FORWARD
-                                  for n in tanh.values())
-    replicated = [((),) * len(node.shape.dims) for node in traced.graph.nodes]
-    fn, in_shardings, out_shardings = applied_function(traced, replicated, tanh.values(), mesh24)
+    graph = traced.graph
+    residuals = _residuals(traced)
+    assert sorted(graph.nodes[n].layer for n in residuals.values()) \
+        == sorted(list(range(3)) * (len(residuals) // 3))     # the same in every layer
+    replicated = [((),) * len(node.shape.dims) for node in graph.nodes]
+    fn, in_shardings, out_shardings = applied_function(traced, replicated, residuals.values(),
+                                                       mesh24)
     text = lower_to_hlo(fn, *args)
-    for path in tanh:                             # each layer's tanh: computed, recomputed
-        assert len(re.findall(f"/k{path}/tanh", text)) == 2, path
+    for path, node in residuals.items():
+        _computed_where(text, path, any(graph.nodes[u].phase == Phase.FORWARD
+                                        for u in graph.users[node]))
     applied = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
     _assert_close(applied(*args), _run(_sgd_step, *args))
 
