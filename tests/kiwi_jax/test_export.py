@@ -26,10 +26,10 @@ def _mesh(shape):
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _planned(budget, mesh, make=named_model.make):
+def _planned(budget, mesh, make=named_model.make, **options):
     step, args = make()
     optimized = kiwi_jax.optimize(step, mesh=mesh, memory_budget=budget, cache_dir=False,
-                                  recipes=False)
+                                  recipes=False, **options)
     optimized.lower(*args)
     return optimized
 
@@ -79,11 +79,13 @@ def test_the_reference_plan_exports_a_policy_that_saves_every_named_value_read_b
 
 
 def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
-    # 85%: the plan recomputes 13 values per layer, the attention context among them (at
-    # 90% the plan the budget search settles on drops no named value)
+    # the plan solved under 85%, without the budget search, recomputes values in every layer
+    # (7-8 on jax 0.10, the MLP activation among them; 15-16 on jax 0.11, the norms). Which plan
+    # the search settles on is the compiler's call: on jax 0.11 at 85%, one that drops no named
+    # value.
     mesh = _mesh((1, 1))
     reference = _planned("100%", mesh).export()
-    optimized = _planned("85%", mesh)
+    optimized = _planned("85%", mesh, fit_compiles=0)
     export = optimized.export()
     dropped = set(reference.layers[0].names) - set(export.layers[0].names)
     assert dropped and all(layer.recomputed > 0 for layer in export.layers)
