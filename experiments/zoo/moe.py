@@ -32,8 +32,8 @@ class MoE(nnx.Module):
         gates = gates / gates.sum(axis=-1, keepdims=True)
         dispatch = jax.nn.one_hot(experts, self.num_experts)            # (t, k, e)
         combine = jnp.einsum("tk,tke->te", gates, dispatch)
-        h = nnx.gelu(jnp.einsum("td,edh->teh", tokens, self.w_in.value))
-        out = jnp.einsum("teh,ehd->ted", h, self.w_out.value)
+        h = nnx.gelu(jnp.einsum("td,edh->teh", tokens, self.w_in[...]))
+        out = jnp.einsum("teh,ehd->ted", h, self.w_out[...])
         y = jnp.einsum("te,ted->td", combine, out)
         # Switch Transformer's auxiliary loss: fraction routed x mean probability, per expert
         routed = dispatch.sum(axis=1).mean(axis=0) / self.top_k

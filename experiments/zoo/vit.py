@@ -48,8 +48,8 @@ class ViT(nnx.Module):
         x = self.patch_embed(images)
         b, h, w, c = x.shape
         x = x.reshape(b, h * w, c)
-        cls = jnp.broadcast_to(self.cls_token.value, (b, 1, c))
-        x = jnp.concatenate([cls, x], axis=1) + self.pos_embed.value
+        cls = jnp.broadcast_to(self.cls_token[...], (b, 1, c))
+        x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...]
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)[:, 0])
