@@ -182,11 +182,13 @@ def _backward_layers(text: str, path: str) -> list[set[int]]:
     return [before(i) for i in entry.instructions if tag_of(i.op_name) == path]
 
 
-def _computed_where(text: str, path: str, forward_readers: bool) -> None:
+def _computed_where(text: str, traced, path: str) -> None:
     """Assert that the value at ``path`` (layer ``l`` of three) is recomputed in its backward
     iteration, after the later layers' (its recomputation waits behind a barrier tied to its
     reader's other inputs), and computed in the forward pass only where the forward pass
     reads it (otherwise that computation is dead once the value is dropped)."""
+    graph, node = traced.graph, traced.representative[(path, 0)]
+    forward_readers = any(graph.nodes[u].phase == Phase.FORWARD for u in graph.users[node])
     layer = int(re.match(r"\d+s(\d+)_", path).group(1))
     where = {frozenset(layers) for layers in _backward_layers(text, path)}
     assert where == {frozenset(range(layer, 3))} | ({frozenset()} if forward_readers else set()), \
@@ -196,16 +198,14 @@ def _computed_where(text: str, path: str, forward_readers: bool) -> None:
 def test_a_value_of_a_scan_body_is_recomputed_inside_its_backward_iteration():
     args = _mlp_args()
     traced = trace_for_planning(functionalize(_sgd_step, args))
-    graph = traced.graph
     residuals = _residuals(traced, layer=0)
     assert residuals                              # layer 0's residuals, forward
     plain = lower_to_hlo(_interpreted(_sgd_step, args), *args)
-    for path, node in residuals.items():
+    for path in residuals:
         assert {frozenset(s) for s in _backward_layers(plain, path)} == {frozenset()}
         fn = _interpreted(_sgd_step, args, recompute=frozenset([path]))
         _assert_close(_run(fn, *args), _run(_sgd_step, *args))
-        forward_readers = any(graph.nodes[u].phase == Phase.FORWARD for u in graph.users[node])
-        _computed_where(lower_to_hlo(fn, *args), path, forward_readers)
+        _computed_where(lower_to_hlo(fn, *args), traced, path)
 
 
 def test_a_plan_that_recomputes_a_scan_body_value_is_applied(mesh24):
@@ -219,9 +219,8 @@ def test_a_plan_that_recomputes_a_scan_body_value_is_applied(mesh24):
     fn, in_shardings, out_shardings = applied_function(traced, replicated, residuals.values(),
                                                        mesh24)
     text = lower_to_hlo(fn, *args)
-    for path, node in residuals.items():
-        _computed_where(text, path, any(graph.nodes[u].phase == Phase.FORWARD
-                                        for u in graph.users[node]))
+    for path in residuals:
+        _computed_where(text, traced, path)
     applied = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
     _assert_close(applied(*args), _run(_sgd_step, *args))
 
