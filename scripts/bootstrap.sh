@@ -14,8 +14,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 elif [ -n "${PYTHON:-}" ]; then
-  want=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  have=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
+  want=$(version "$PY")
+  have=$(version .venv/bin/python)
   if [ "$want" != "$have" ]; then
     echo "bootstrap: .venv is Python $have, PYTHON=$PYTHON is Python $want;" \
          "remove .venv (rm -r .venv) to build it with $PYTHON" >&2
