@@ -11,16 +11,18 @@ from solvers.problem import ShardingProblem
 from solvers.synthetic import layered_problem, make_problem  # noqa: F401 (re-exported)
 
 
-def chain_problem() -> ShardingProblem:
+def chain_problem(unit: int = 1) -> ShardingProblem:
     """p -> a -> b -> c (loss); backward gc, gb (reads b), ga (reads a); update of p.
 
     One strategy each. Kept, the peak is 312 bytes (stage 5: p, a, b, c, gc, gb); dropping a
     (compute 1 s) makes it 311 (stage 6: p, c, gb, a again, ga); dropping b (5 s) does not help.
+    ``unit``: the bytes each of those bytes stands for.
     """
     phases = [Phase.PARAM, *[Phase.FORWARD] * 3, *[Phase.BACKWARD] * 3, Phase.OPTIMIZER]
     edges = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (2, 5), (5, 6), (1, 6), (6, 7), (0, 7)]
     compute = [[0.0], [1.0], [5.0], [1.0], [1.0], [2.0], [2.0], [1.0]]
-    memory = [[10], [100], [100], [1], [1], [100], [100], [10]]
+    memory = [[m * unit for m in row] for row in
+              [[10], [100], [100], [1], [1], [100], [100], [10]]]
     return make_problem(phases, edges, compute, memory, outputs=(3, 7))
 
 
