@@ -101,7 +101,8 @@ def kiwi_row(train_step, args, mesh, budget: int, cluster="v100-nvlink", fit_com
     name = f"kiwi@{budget / 2**20:.3f}MiB"
     try:
         prepared = step.prepare(functionalize(train_step, args))
-    except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
+    except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError,
+            solvers.SolverError) as error:      # a row: the recipes' rows are not lost
         return Row(name, "kiwi", None, None, int(budget), f"{type(error).__name__}: {error}",
                    time.perf_counter() - start)
     cost = compiled_cost(prepared.applied.compiled, mesh, cluster)
