@@ -427,7 +427,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         # The backend's feasibility tolerance let a plan through that the simulator puts over
         # the budget: solve again with the excess taken off, and at least what that tolerance
         # lets through, ten times more each time. The excess alone was 1 B in every attempt on
-        # the reference GPT at hidden 1024 on one device (a memory unit of 262,144 B there).
+        # the reference GPT at hidden 1024 on one device (a memory unit of 524,288 B there).
         log.warning("%s: plan peaks at %d bytes, over the budget of %d by the backend's "
                     "tolerance; solving again", solver, peak, budget_bytes)
         limit -= max(peak - budget_bytes,
