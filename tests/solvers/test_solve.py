@@ -218,6 +218,25 @@ def _chain_with_copies():
                                             np.zeros((2, 1), int)))
 
 
+def _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit):
+    """``_chain_with_copies()`` planned by ``kiwi`` at 311 B, with no warm start, on a clock on
+    which every backend call takes 30 s; the plan, and the time limit of each call."""
+    limits, real, clock = [], Model.solve, [0.0]
+
+    def thirty_seconds(self, backend, time_limit, **kwargs):
+        limits.append(time_limit)
+        clock[0] += 30.0
+        return dataclasses.replace(real(self, backend, time_limit=time_limit, **kwargs),
+                                   seconds=30.0)
+
+    monkeypatch.setattr(SOLVE_MODULE, "time",
+                        types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(Model, "solve", thirty_seconds)
+    plan = solve(_chain_with_copies(), 311, solver="kiwi", time_limit=time_limit,
+                 warm_start=None)
+    return plan, limits
+
+
 def test_the_exact_forms_refinement_has_its_own_window_after_the_relaxed_share(monkeypatch):
     # Without a warm start the program without the copies has 40% of the time; the bounded
     # form's plan at the budget is then solved for in the exact form for twice the time that
@@ -225,39 +244,17 @@ def test_the_exact_forms_refinement_has_its_own_window_after_the_relaxed_share(m
     # exact form of the zoo encoder-decoder on 2x4 had 7.6 s of its 19.8, did not prove its
     # plan, and the final solve spent 10 s more to the same plan. A clock on which each
     # backend call takes 30 of the 100 s.
-    p = _chain_with_copies()
-    module, limits, real, clock = sys.modules["solvers.solve"], [], Model.solve, [0.0]
-
-    def thirty_seconds(self, backend, time_limit, **kwargs):
-        limits.append(time_limit)
-        clock[0] += 30.0
-        return dataclasses.replace(real(self, backend, time_limit=time_limit, **kwargs),
-                                   seconds=30.0)
-
-    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(Model, "solve", thirty_seconds)
-    plan = solve(p, 311, solver="kiwi", time_limit=100, warm_start=None)
+    plan, limits = _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit=100)
     assert plan.recomputed.tolist() == [1] and plan.peak_bytes == 311
-    assert limits == [pytest.approx(module.RELAXED_SHARE * 100), pytest.approx(2 * 30.0)]
+    assert limits == [pytest.approx(SOLVE_MODULE.RELAXED_SHARE * 100), pytest.approx(2 * 30.0)]
 
 
 def test_the_exact_form_is_not_tried_in_less_time_than_the_bounded_solve_took(monkeypatch):
     # The same clock, a 50 s limit: the bounded solve takes 30 s and leaves 20. On the zoo MoE
     # on 2x4 at 80% the exact form had 6 s after a 24 s solve, found nothing faster, and the
     # backend ran 12 s on them.
-    p = _chain_with_copies()
-    module, limits, real, clock = sys.modules["solvers.solve"], [], Model.solve, [0.0]
-
-    def thirty_seconds(self, backend, time_limit, **kwargs):
-        limits.append(time_limit)
-        clock[0] += 30.0
-        return dataclasses.replace(real(self, backend, time_limit=time_limit, **kwargs),
-                                   seconds=30.0)
-
-    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(Model, "solve", thirty_seconds)
-    plan = solve(p, 311, solver="kiwi", time_limit=50, warm_start=None)
-    assert plan.peak_bytes <= 311 and limits == [pytest.approx(module.RELAXED_SHARE * 50)]
+    plan, limits = _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit=50)
+    assert plan.peak_bytes <= 311 and limits == [pytest.approx(SOLVE_MODULE.RELAXED_SHARE * 50)]
 
 
 def test_an_exact_form_that_finds_no_faster_plan_leaves_the_bounded_ones(monkeypatch,
