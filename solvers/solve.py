@@ -293,7 +293,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     solved again under less memory (a restriction) is not refined in the exact form, which
     the next solve does under the whole budget (on the zoo Llama on 4x2 at 80%, the exact form
     under the restriction's 507,228 B ran 20 s of a 14 s window and found nothing faster; the
-    final solve's, under 516,406 B, proved its plan optimal in 5.5 s)."""
+    final solve's, under 516,406 B, then proved its plan optimal in 6.7 s)."""
     programs = _Programs() if programs is None else programs
     limit = budget_bytes
     skip = programs.skip

@@ -133,7 +133,7 @@ def test_a_direct_solves_plan_under_less_memory_is_left_to_the_final_solve(monke
     # final solve starts from it under the whole budget, even where it is proven within the
     # gap (here 0.1/1.1 of the relaxation's bound, under a gap of 0.1). On the zoo Llama on 4x2
     # at 80% the direct solve's exact form had spent 20 s on the restriction's plan for
-    # nothing; the final solve's proved its own plan in 5.5 s.
+    # nothing; the final solve's proved its own plan in 6.7 s.
     module, calls, real = SOLVE_MODULE, [], SOLVE_MODULE._solve
 
     def recorded(*args, **kwargs):
