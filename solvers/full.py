@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from solvers.backend import PEAK_SCALINGS
 from solvers.joint import Builder, JointModel
 from solvers.linexpr import Expr, total, var
 from solvers.phase import Phase
@@ -193,6 +194,9 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
             terms.append((b.conditional(i, available(t, i)), t, t))
         terms += b.gathered_terms()
         peak_var = b.limit_memory(terms, budget_bytes, minimize_peak)
-    model.minimize(var(peak_var) if minimize_peak else total(objective))
+    if minimize_peak:
+        model.minimize(var(peak_var), PEAK_SCALINGS)
+    else:
+        model.minimize(total(objective))
     return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,
                      b.u_vars, a_vars=a, pres_vars=pres)

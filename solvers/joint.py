@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from solvers.backend import Model
+from solvers.backend import PEAK_SCALINGS, Model
 from solvers.linexpr import Expr, const, total, var
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
@@ -503,7 +503,10 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     if budget_bytes is not None or minimize_peak:
         peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak,
                                 skip_times, exact_chains or fixed_keep is not None)
-    model.minimize(var(peak_var) if minimize_peak else total(objective))
+    if minimize_peak:
+        model.minimize(var(peak_var), PEAK_SCALINGS)
+    else:
+        model.minimize(total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
                       b.u_vars)
 

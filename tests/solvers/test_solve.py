@@ -747,3 +747,50 @@ def test_highs_starts_from_the_strategies_its_relaxation_prefers():
     assert _rounded_start(_highs_lp(arrays), integer, 0.0, 1) == ({}, None)   # no time
     result = joint.model.solve("highs")
     assert result.status == Status.OPTIMAL and np.isfinite(result.objective)
+
+
+def test_a_relaxation_one_scaling_does_not_solve_in_its_time_is_solved_with_the_next(
+        monkeypatch):
+    """The relaxation is tried with each of the program's scalings in turn, each given an equal
+    part of the time left: a peak-minimising program's with HiGHS's default scaling first (with
+    max-value scaling alone it stalled on the zoo's mixer and Llama), a step-time program's with
+    max-value scaling alone."""
+    import solvers.backend as backend
+    from solvers.joint import build_joint
+
+    p = random_problem(1, layers=3)
+    peak = build_joint(p, None, minimize_peak=True).model
+    timed = build_joint(p, int(0.8 * solvers.reference_plan(p).peak_bytes)).model
+    assert peak.scalings == backend.PEAK_SCALINGS == (1, 4)
+    assert timed.scalings == backend.TIME_SCALINGS == (4,)
+
+    tries, real = [], backend._highs
+
+    class Recorded:
+        """A HiGHS instance whose time limit and scaling are recorded; the first one's limit is
+        taken to nothing, as a scaling that does not solve in its time."""
+
+        def __init__(self, time_limit, threads):
+            self.h, self.time_limit = real(0.0 if not tries else time_limit, threads), time_limit
+            tries.append(self)
+
+        def setOptionValue(self, name, value):
+            setattr(self, name, value)
+            self.h.setOptionValue(name, value)
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+    monkeypatch.setattr(backend, "_highs", Recorded)
+    arrays = peak.arrays()
+    start, relaxation = backend._rounded_start(backend._highs_lp(arrays), arrays[6], 10.0, 1,
+                                               peak.scalings)
+    assert [t.simplex_scale_strategy for t in tries] == [1, 4]
+    assert tries[0].time_limit == pytest.approx(5.0) and tries[1].time_limit > 4.9
+    assert start and relaxation is not None            # from the second scaling
+    tries.clear()
+    arrays = timed.arrays()
+    assert backend._rounded_start(backend._highs_lp(arrays), arrays[6], 10.0, 1,
+                                  timed.scalings) == ({}, None)
+    assert [t.simplex_scale_strategy for t in tries] == [4]       # alone: nothing after it
+    assert tries[0].time_limit == pytest.approx(10.0)
