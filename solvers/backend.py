@@ -272,7 +272,8 @@ PEAK_SCALINGS = (1, 4)
 """The scalings tried, in order, on the relaxation of a peak-minimising program (HiGHS's
 default first, then max value). With max value alone the relaxation of the zoo MLP-mixer's on
 2x4 took 14.8-16.7 s, of the Llama's over 20 s; with the default, 0.9-1.0 and 1.7 s. The
-reference GPT's are the other way round (4 layers: 8.7 against 1.5 s)."""
+KIWI-config GPT's are the other way round (4 layers: 8.7 against 1.5 s). The reference plan's
+lowest peak among the fastest plans keeps :data:`TIME_SCALINGS` (:func:`solvers.joint.build_joint`)."""
 
 
 def _integral_relaxation(lp, integer: np.ndarray, relaxation, mip_gap: float, time_limit: float,
