@@ -30,6 +30,19 @@ __all__ = ["Model", "MilpResult", "BACKENDS", "DEFAULT_BACKEND"]
 BACKENDS = ("highs", "cpsat", "gurobi")
 DEFAULT_BACKEND = "highs"
 
+TIME_SCALINGS = (4,)
+"""The scaling the relaxation of a step-time program is solved with (max value). Its
+coefficients span ten orders of magnitude (seconds and bytes in the program's units), and with
+HiGHS's default scaling the relaxation of the 4-layer KIWI-config GPT's program took 2.6 s, of
+the 20-layer one 5.9 s; with this one, 1.25 and 1.0 s, to the same optimum."""
+
+PEAK_SCALINGS = (1, 4)
+"""The scalings tried, in order, on the relaxation of a peak-minimising program (HiGHS's
+default first, then max value). With max value alone the relaxation of the zoo MLP-mixer's on
+2x4 took 14.8-16.7 s, of the Llama's over 20 s; with the default, 0.9-1.0 and 1.7 s. The
+KIWI-config GPT's are the other way round (4 layers: 8.7 against 1.5 s). The reference plan's
+lowest peak among the fastest plans keeps :data:`TIME_SCALINGS` (:func:`solvers.joint.build_joint`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MilpResult:
@@ -94,11 +107,11 @@ class Model:
         :class:`Expr` (for programs with hundreds of thousands of rows)."""
         self._rows.append((np.array(indices, np.int64), np.array(coefs, float), lo, hi))
 
-    def minimize(self, expr: Expr, scalings: tuple[int, ...] | None = None) -> None:
+    def minimize(self, expr: Expr, scalings: tuple[int, ...] = TIME_SCALINGS) -> None:
         """Minimise ``expr``; ``scalings``: those :func:`_rounded_start` tries its relaxation
-        with, in order (:data:`TIME_SCALINGS` by default, :data:`PEAK_SCALINGS` for a peak)."""
+        with, in order (:data:`PEAK_SCALINGS` for a peak)."""
         self.objective = expr
-        self.scalings = TIME_SCALINGS if scalings is None else tuple(scalings)
+        self.scalings = scalings
 
     @property
     def num_rows(self) -> int:
@@ -226,7 +239,7 @@ def _highs(time_limit: float, threads: int):
 
 
 def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
-                   scalings: tuple[int, ...] | None = None
+                   scalings: tuple[int, ...] = TIME_SCALINGS
                    ) -> tuple[dict[int, float], tuple[np.ndarray, float] | None]:
     """A partial start for a MILP without one: the integer variables its LP relaxation puts
     above one half, set to one (a strategy an operator mostly takes, a value mostly kept);
@@ -239,13 +252,11 @@ def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
     plan, its first within 17% of the bound. From this start it had a plan 0.1% from the bound
     at once and stopped 5.5 s from the start, the relaxation's 2.7 s included.
 
-    The relaxation is solved with each of ``scalings`` (HiGHS's ``simplex_scale_strategy``;
-    :data:`TIME_SCALINGS` by default) in turn until one solves it, each given an equal part of
-    the time left.
+    The relaxation is solved with each of ``scalings`` (HiGHS's ``simplex_scale_strategy``)
+    in turn until one solves it, each given an equal part of the time left.
     """
     import highspy
 
-    scalings = TIME_SCALINGS if scalings is None else scalings
     start = time.perf_counter()
     for tried, scaling in enumerate(scalings):
         left = time_limit - (time.perf_counter() - start)
@@ -260,20 +271,6 @@ def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
     x = np.asarray(h.getSolution().col_value)
     chosen = np.flatnonzero(integer & (x > 0.5))
     return dict.fromkeys(chosen.tolist(), 1.0), (x, float(h.getInfo().objective_function_value))
-
-
-TIME_SCALINGS = (4,)
-"""The scaling the relaxation of a step-time program is solved with (max value). Its
-coefficients span ten orders of magnitude (seconds and bytes in the program's units), and with
-HiGHS's default scaling the relaxation of the 4-layer KIWI-config GPT's program took 2.6 s, of
-the 20-layer one 5.9 s; with this one, 1.25 and 1.0 s, to the same optimum."""
-
-PEAK_SCALINGS = (1, 4)
-"""The scalings tried, in order, on the relaxation of a peak-minimising program (HiGHS's
-default first, then max value). With max value alone the relaxation of the zoo MLP-mixer's on
-2x4 took 14.8-16.7 s, of the Llama's over 20 s; with the default, 0.9-1.0 and 1.7 s. The
-KIWI-config GPT's are the other way round (4 layers: 8.7 against 1.5 s). The reference plan's
-lowest peak among the fastest plans keeps :data:`TIME_SCALINGS` (:func:`solvers.joint.build_joint`)."""
 
 
 def _integral_relaxation(lp, integer: np.ndarray, relaxation, mip_gap: float, time_limit: float,

@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from solvers.backend import PEAK_SCALINGS, Model
+from solvers.backend import PEAK_SCALINGS, TIME_SCALINGS, Model
 from solvers.linexpr import Expr, const, total, var
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
@@ -504,12 +504,12 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
         peak_var = _memory_rows(p, b, keep_expr, droppable, budget_bytes, minimize_peak,
                                 skip_times, exact_chains or fixed_keep is not None)
     if minimize_peak:
-        # the lowest peak among the fastest plans (the reference plan's, under a step time)
+        # the lowest peak among the fastest plans (under a step time: the reference plan's)
         # keeps the step-time programs' scaling: its relaxation solved alike with either
         # (0.7 / 0.7, 3.6 / 2.8, 1.8 / 4.3 s default / max value on the zoo mixer and Llama
         # and the 4-layer KIWI-config GPT on 2x4), and its answer among plans alike in step
         # and peak stays the one it was
-        model.minimize(var(peak_var), PEAK_SCALINGS if max_seconds is None else None)
+        model.minimize(var(peak_var), PEAK_SCALINGS if max_seconds is None else TIME_SCALINGS)
     else:
         model.minimize(total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
