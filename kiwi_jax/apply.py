@@ -209,7 +209,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                      beside: dict[int, int] | None = None, chains: bool = True,
                      operand_specs: list | None = None, fused: np.ndarray | None = None,
                      regather: bool = False, settle: bool = False):
-    """The step with the plan applied, and its input/output shardings.
+    """The step with the plan applied, and its input/output shardings. Its backward scans
+    slice their stacked inputs anew in each iteration, as the plan's graph has them
+    (:attr:`~kiwi_jax.interpret.Interpreter.reslice`).
 
     Args:
       traced: the traced step.
@@ -293,7 +295,8 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                               settle=_gradient_outputs(traced) if settle else frozenset(),
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains
-                              else frozenset())
+                              else frozenset(),
+                              reslice=True)
 
     def fn(*args):
         return jax.tree.unflatten(traced.out_tree, interpreter(*jax.tree.leaves(args)))

@@ -268,3 +268,23 @@ def test_paths_sort_and_units():
     assert sorted(["12s10_3", "12s2_3", "3"], key=path_key) == ["3", "12s2_3", "12s10_3"]
     assert [is_unit(p) for p in ("12", "12s4_3", "12s4_3s0_2", "12_3", "12s4_3_1", "12s4")] \
         == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_a_backward_iteration_slices_the_stacked_weights_anew(name):
+    # Sliced from the same array, the backward iteration's slice of a stacked weight is the
+    # forward iteration's to XLA, which then holds it from the forward pass to the backward
+    # pass: a copy of every layer's weights that the user's scan does not make.
+    from kiwi_jax.compile import compiler_options
+
+    step, args = zoo.make(name, abstract=False, **SIZES[name])
+    pure = functionalize(step, args)
+
+    def temp(fn):
+        compiled = jax.jit(fn).lower(*pure.args).compile(compiler_options=compiler_options())
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    # Measured at these sizes: 57,924 -> 42,752 B (llama_scan), 22,404 -> 21,560 B (linen_scan)
+    resliced = _interpreted(pure.fn, pure.args, reslice=True)
+    assert temp(resliced) < temp(_interpreted(pure.fn, pure.args))
+    _assert_close(_run(resliced, *pure.args), _run(pure.fn, *pure.args))
