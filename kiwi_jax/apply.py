@@ -232,8 +232,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         their readers (:func:`hlo_tools.liveness.fused_values`); those that read a recomputed
         value are recomputed with it (:func:`fused_followers`). None: the plan's model counts
         every value (``operator``).
-      regather: a backward reader that reads a step argument in another spec than its own
-        reshards it from the argument again, behind a barrier tied to its other operands
+      regather: a backward reader that reads a step argument or a forward value in another
+        spec than its own reshards it from that value again, behind a barrier tied to its
+        other operands
         (:attr:`~kiwi_jax.interpret.Interpreter.regather`), as the plan prices it: a copy made
         for that reader alone. False: XLA may merge it with the forward pass's copy and hold
         that until the backward pass.
@@ -283,13 +284,13 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         spec = target(path, source)
         return value if spec is None else jax.lax.with_sharding_constraint(value, sharding(spec))
 
-    def resharded_argument(path, source) -> bool:
-        return source is not None and source[0] == "arg" and target(path, source) is not None
+    def resharded_for_itself(path, source) -> bool:
+        return source is not None and target(path, source) is not None
 
     anchors = _anchors(traced, beside or {}, recompute)
     interpreter = Interpreter(traced.closed, constrain=constrain,
                               reshard=None if operand_specs is None else reshard,
-                              regather=resharded_argument if regather and operand_specs
+                              regather=resharded_for_itself if regather and operand_specs
                               is not None else None,
                               recompute=frozenset(recompute),
                               settle=_gradient_outputs(traced) if settle else frozenset(),

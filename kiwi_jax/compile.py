@@ -52,10 +52,11 @@ class CompiledPlan:
     """Its compiled executable."""
     program: str = "values"
     """How a plan was applied: ``"values"``, value by value (:func:`compile_plan`);
-    ``"regathered"``, so, the backward pass resharding the step's arguments again for each
-    reader and reducing each gradient where it is made (``compile_plan(..., regather=True,
-    settle=True)``); or ``"blocks"``, as its export, each block
-    under its layer's ``jax.checkpoint`` policy (:func:`kiwi_jax.export.compile_exported`)."""
+    ``"regathered"``, so, the backward pass resharding the step's arguments and the forward
+    pass's values again for each reader and reducing each gradient where it is made
+    (``compile_plan(..., regather=True, settle=True)``); or ``"blocks"``, as its export, each
+    block under its layer's ``jax.checkpoint`` policy
+    (:func:`kiwi_jax.export.compile_exported`)."""
 
     @property
     def memory(self) -> MemoryStats:
@@ -73,8 +74,8 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
 
     Args:
       overlap: place the recomputations a Lynx plan hides under collectives beside them.
-      regather: the backward pass reshards the step's arguments again, for each reader
-        (:func:`~kiwi_jax.apply.applied_function`).
+      regather: the backward pass reshards the step's arguments and the forward pass's values
+        again, for each reader (:func:`~kiwi_jax.apply.applied_function`).
       settle: each gradient is tied into the backward pass where it is made
         (:func:`~kiwi_jax.apply.applied_function`).
     """

@@ -47,10 +47,11 @@ equation's inputs: the recomputation becomes ready together with the collective'
 depends on nothing the collective produces, so the scheduler can run it while the collective is
 in flight. Those recomputations run under the name scope ``lynx_overlap`` so that they can be
 found in the compiled HLO.
-With ``regather``, a backward equation that reads a step argument in another spec than its own
-reads it out of an optimization barrier tied to its other operands first: the resharded copy is
-made for it alone, as the plan prices it, where XLA would otherwise merge it with the forward
-pass's copy of the same argument and hold that from the forward pass to the backward pass.
+With ``regather``, a backward equation that reads a step argument or a value of the forward
+pass in another spec than its own reads it out of an optimization barrier tied to its other
+operands first: the resharded copy is made for it alone, as the plan prices it, where XLA would
+otherwise merge it with the forward pass's copy of the same value and hold that from the
+forward pass to the backward pass.
 With ``reslice``, a scan of the backward pass slices its stacked inputs (a scanned model's
 stacked weights) out of an optimization barrier tied to the iteration's carry: each iteration's
 slice is made when the backward pass gets there. Sliced from the same array, XLA merges it with
@@ -339,11 +340,11 @@ class Interpreter:
         chain inside a layer): a recomputation reading one of them recomputes it first instead
         of reading the value of the forward pass.
       regather: ``regather(path, source) -> bool``: whether the backward equation at ``path``
-        reshards the step argument ``source`` for itself alone; such arguments go through an
-        optimization barrier tied to the equation's other operands first, so the copy is made
-        when the backward pass gets there and is not merged with the forward pass's copy of the
-        same argument (which XLA otherwise holds from the forward pass to the backward pass, as
-        a kept activation). None: never.
+        reshards the value made at ``source`` (a step argument or an equation's output) for
+        itself alone; such values go through an optimization barrier tied to the equation's
+        other operands first, so the copy is made when the backward pass gets there and is not
+        merged with the forward pass's copy of the same value (which XLA otherwise holds from
+        the forward pass to the backward pass, as a kept activation). None: never.
       settle: ``(path, output index)`` of the backward equations whose outputs are gradients
         handed to the optimizer: each is tied into the backward pass's next equation that reads
         a cotangent (see the module notes).
@@ -411,7 +412,7 @@ class Interpreter:
         return list(outvals)
 
     def _regathered(self, run, invals, path: str) -> list:
-        """``invals`` with the step arguments the equation at ``path`` reshards for itself
+        """``invals`` with the values the equation at ``path`` reshards for itself
         (:attr:`regather`) read out of one optimization barrier tied to its other operands."""
         own = [i for i, v in enumerate(invals) if _is_array(v)
                and self.regather(path, run.source(v))]
