@@ -6,8 +6,8 @@ import json
 import pytest
 
 from experiments import (bandwidth_sweep, cost_agreement, heap_gap, lynx_pipeline, mesh_sweep,
-                         optimality, remat_baselines, report, solver_scaling, vs_recipes,
-                         zoo_solve)
+                         optimality, remat_baselines, report, sized_fidelity, solver_scaling,
+                         vs_recipes, zoo_solve)
 from experiments.common import SWEEP_METHODS
 
 TOL = 1e-6
@@ -182,6 +182,16 @@ def test_zoo_solve_times_one_solve_per_cell(results, capsys):
     with pytest.raises(SystemExit):
         zoo_solve.main(["--cells", "llama:1x1"])
     assert "expected MODEL:MESH:BYTES" in capsys.readouterr().err
+
+
+def test_sized_fidelity_compiles_the_reference_plan_at_its_sizes(results, capsys):
+    result = sized_fidelity.main(["--models", "mixer", "--memory-models", "operator", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["rows"] == json.loads((results / "sized_fidelity.json").read_text())["rows"]
+    (row,) = result["rows"]
+    assert (row["model"], row["mesh"], row["memory_model"]) == ("mixer", "2x4", "operator")
+    assert row["compiled_bytes"] > 100 * 2**20          # activations of a 224x224 batch of 16
+    assert row["memory_error"] == round(row["predicted_bytes"] / row["compiled_bytes"] - 1, 4)
 
 
 def test_cost_agreement_quick(results, capsys):
