@@ -234,10 +234,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         every value (``operator``).
       regather: a backward reader that reads a step argument or a forward value in another
         spec than its own reshards it from that value again, behind a barrier tied to its
-        other operands
-        (:attr:`~kiwi_jax.interpret.Interpreter.regather`), as the plan prices it: a copy made
-        for that reader alone. False: XLA may merge it with the forward pass's copy and hold
-        that until the backward pass.
+        other operands (:attr:`~kiwi_jax.interpret.Interpreter.regather`), as the plan prices
+        it: a copy made for that reader alone. False: XLA may merge it with the forward pass's
+        copy and hold that until the backward pass.
       settle: each gradient the backward pass hands to the optimizer is tied into the backward
         pass's next step (:attr:`~kiwi_jax.interpret.Interpreter.settle`), so it is reduced
         where it is made, as the plan prices it. False: XLA's all-reduce combiner may merge
@@ -285,7 +284,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         return value if spec is None else jax.lax.with_sharding_constraint(value, sharding(spec))
 
     def resharded_for_itself(path, source) -> bool:
-        return source is not None and target(path, source) is not None
+        return target(path, source) is not None
 
     anchors = _anchors(traced, beside or {}, recompute)
     interpreter = Interpreter(traced.closed, constrain=constrain,
