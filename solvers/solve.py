@@ -164,9 +164,10 @@ def solve_milp(problem: ShardingProblem, budget_bytes: int | None, options: Solv
         solution = dataclasses.replace(_incumbent(fallback, solver, None),
                                        status=Status.FEASIBLE)
     elif fallback is not None and fallback.objective < solution.objective * (1 - 1e-9):
-        log.warning("%s: the backend stopped at a plan slower than its warm start's "
-                    "(%.6g s > %.6g s); returning the warm start", solver,
-                    solution.objective, fallback.objective)
+        log.warning("%s: the backend stopped at a plan %.2g%% slower than its warm start's "
+                    "(%.9g s > %.9g s); returning the warm start", solver,
+                    100 * (solution.objective / fallback.objective - 1), solution.objective,
+                    fallback.objective)
         solution = _incumbent(fallback, solver, solution)
     return _answer(problem, solver, budget_bytes, solution, search_min_feasible, backend,
                    time_limit, reuse_layers)

@@ -523,7 +523,7 @@ def test_a_warm_start_that_fits_as_replayed_is_the_answer_where_the_program_has_
               search_min_feasible=False)
 
 
-def test_a_final_plan_slower_than_the_warm_start_gives_way_to_it(monkeypatch):
+def test_a_final_plan_slower_than_the_warm_start_gives_way_to_it(monkeypatch, caplog):
     # HiGHS may stop before it has taken the start up and answer with a slower plan of its own.
     p = random_problem(7, layers=6, width=3)
     budget = int(0.8 * simulate(p, solve(p, None, solver="alpa").strategy).peak_bytes)
@@ -537,6 +537,8 @@ def test_a_final_plan_slower_than_the_warm_start_gives_way_to_it(monkeypatch):
     monkeypatch.setattr(module, "_solve", lambda *args, **kwargs: stopped)
     answer = solve(p, budget, solver="kiwi", time_limit=5)
     assert np.array_equal(answer.strategy, best.strategy) and answer.objective == best.objective
+    # the warning says by how much: two times equal to six digits read as no reason at all
+    assert f"{100 * (slower.objective / best.objective - 1):.2g}% slower" in caplog.text
     assert answer.status == Status.TIMEOUT_WITH_INCUMBENT and answer.num_vars == 123
     assert answer.gap == pytest.approx(1 - 0.5 * slower.objective / best.objective)
     check_claims(p, answer, budget)
