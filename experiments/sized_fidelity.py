@@ -34,6 +34,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
+import kiwi_jax.problem  # noqa: E402
 import solvers  # noqa: E402
 from experiments import zoo  # noqa: E402
 from experiments.common import PlanCompiler, write_result  # noqa: E402
@@ -58,7 +59,8 @@ SIZES = {
 """Per model, sizes at which activations dominate its peak (``gpt``: the reference GPT of
 :mod:`kiwi_jax.models`; the others: the zoo's)."""
 
-MEMORY_MODELS = ("operator", "fused")
+MEMORY_MODELS = tuple(m for m in kiwi_jax.problem.MEMORY_MODELS if m != "auto")
+"""The memory models compared: ``auto`` is one of them on each mesh."""
 
 
 def _step(model: str):

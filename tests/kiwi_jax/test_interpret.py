@@ -15,7 +15,7 @@ from hlo_tools.compiled import device_memory
 from hlo_tools.graph import Phase
 from hlo_tools.liveness import fused_values
 import kiwi_jax.apply
-from kiwi_jax.apply import applied_function, fused_followers, fused_leaders
+from kiwi_jax.apply import applied_function, fused_followers, fused_leaders, trace_for_planning
 from kiwi_jax.compile import compile_plan, compiler_options, jit_step
 from kiwi_jax.interpret import Interpreter, is_backward, is_unit, trace_flat
 from kiwi_jax.models import build
@@ -181,7 +181,7 @@ def test_a_backward_reader_regathers_a_forward_value_it_reads_in_another_spec(me
     keys = jax.random.split(jax.random.key(0), 4)
     args = ([jax.random.normal(k, (32, 32)) / 6 for k in keys[:3]],
             jax.random.normal(keys[3], (64, 32)))
-    traced = kiwi_jax.apply.trace_for_planning(functionalize(_tanh_mlp_step, args))
+    traced = trace_for_planning(functionalize(_tanh_mlp_step, args))
     graph = traced.graph
     specs = [((),) * len(n.shape.dims) for n in graph.nodes]
     whole = [tuple(((),) * len(graph.nodes[o].shape.dims) for o in n.operands)
