@@ -198,7 +198,9 @@ def test_a_budget_under_the_plain_step_is_searched_against_the_compiler(caplog, 
     under = kiwi_jax.optimize(ref.train_step, mesh=mesh, memory_budget=19_000_000,
                               memory_model="operator", **quick)
     ran = under.lower(*ref.abstract_init(), ref.abstract_batch())
-    lower, fitting = solvers.min_feasible_budget(ran.build.problem, time_limit=40.0)  # kept
+    # the search proves its bound in 16-17 s alone on one core (19,035,410 B); beside the other
+    # test worker it ran into a 40 s limit once and returned a weaker one (18,969,874 B)
+    lower, fitting = solvers.min_feasible_budget(ran.build.problem, time_limit=90.0)  # kept
     assert 19_000_000 < lower <= (plan.solver_budget_bytes or budget) and lower <= fitting
     assert ran.plan.fit.fits and device_memory(ran.compiled).peak_bytes <= 19_000_000
     assert ran.plan.fit.stop == FitStop.BLOCKS and ran.plan.fit.trials[0].compiled_peak_bytes \
