@@ -18,7 +18,7 @@ Each cell: ``predicted / compiled - 1``, compiled = argument + output + temp - a
 device. Abstract arrays only: nothing is allocated, each compile takes 5-60 s on 2 cores.
 
 Usage: python -m experiments.sized_fidelity [--models gpt llama ...] [--meshes 2x4]
-       [--memory-models operator fused] [--name sized_fidelity] [--json]
+       [--memory-models operator fused] [--small] [--name sized_fidelity] [--json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import kiwi_jax.problem  # noqa: E402
 import solvers  # noqa: E402
 from experiments import zoo  # noqa: E402
 from experiments.common import PlanCompiler, write_result  # noqa: E402
+from experiments.fidelity import REFERENCE  # noqa: E402
 
 SIZES = {
     "gpt": {"layers": 2, "hidden": 1024, "heads": 16, "seq": 1024, "batch": 8, "vocab": 8192},
@@ -63,22 +64,30 @@ MEMORY_MODELS = tuple(m for m in kiwi_jax.problem.MEMORY_MODELS if m != "auto")
 """The memory models compared: ``auto`` is one of them on each mesh."""
 
 
-def _step(model: str):
-    """``(train_step, abstract args)`` of ``model`` at :data:`SIZES`."""
+def _sizes(model: str, large: bool = True) -> dict:
+    """``model``'s sizes: :data:`SIZES`, or with ``large=False`` the fidelity study's (the
+    reference GPT's of :mod:`experiments.fidelity`, the zoo's defaults)."""
+    if large:
+        return SIZES[model]
+    return dict(REFERENCE["gpt"]) if model == "gpt" else {}
+
+
+def _step(model: str, large: bool = True):
+    """``(train_step, abstract args)`` of ``model`` at :func:`_sizes`."""
     if model == "gpt":
         from kiwi_jax.models import build
 
-        ref = build("gpt", **SIZES["gpt"])
+        ref = build("gpt", **_sizes(model, large))
         return ref.train_step, (*ref.abstract_init(), ref.abstract_batch())
-    return zoo.make(model, abstract=True, **SIZES[model])
+    return zoo.make(model, abstract=True, **_sizes(model, large))
 
 
-def cell(model: str, mesh: str, memory_model: str) -> dict:
+def cell(model: str, mesh: str, memory_model: str, large: bool = True) -> dict:
     """One model, mesh and memory model: its reference plan predicted and compiled."""
     from kiwi_jax.plan import plan_from_solution
 
     start = time.perf_counter()
-    step, args = _step(model)
+    step, args = _step(model, large)
     compiler = PlanCompiler.for_step(step, args, mesh, memory_model=memory_model)
     compiler.charge_stored()
     reference = solvers.reference_plan(compiler.build.problem)
@@ -97,18 +106,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--meshes", nargs="+", default=["2x4"])
     parser.add_argument("--memory-models", nargs="+", default=list(MEMORY_MODELS),
                         choices=MEMORY_MODELS)
+    parser.add_argument("--small", action="store_true",
+                        help="the fidelity study's sizes instead of SIZES (the zoo's defaults)")
     parser.add_argument("--name", default="sized_fidelity", help="results/<name>.json")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result = {"study": "sized_fidelity", "jax": jax.__version__, "sizes": SIZES, "rows": []}
+    result = {"study": "sized_fidelity", "jax": jax.__version__,
+              "sizes": {m: _sizes(m, not args.small) for m in args.models}, "rows": []}
     print(f"{'model':<11} {'mesh':<5} " + " ".join(f"{m:>9}" for m in args.memory_models),
           file=sys.stderr)
     for mesh in args.meshes:
         for model in args.models:
             errors = []
             for memory_model in args.memory_models:
-                row = cell(model, mesh, memory_model)
+                row = cell(model, mesh, memory_model, not args.small)
                 result["rows"].append(row)
                 errors.append(f"{100 * row['memory_error']:+8.1f}%")
                 result["wall_seconds"] = round(time.perf_counter() - start, 1)
