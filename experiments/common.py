@@ -256,7 +256,7 @@ class PlanCompiler:
         from kiwi_jax.problem import build_problem
 
         spec = MeshSpec.parse(mesh)
-        self.train_step, self.args = train_step, args
+        self.train_step, self.args, self.memory_model = train_step, args, memory_model
         in_order = in_program_order(spec.num_devices, order)
         self.traced = trace(train_step, *args, traced_order=in_order)
         self.pure = self.traced.pure
@@ -270,19 +270,24 @@ class PlanCompiler:
         """With the fused memory model, compile the reference plan
         (:func:`solvers.reference_plan` with ``options``) and rebuild the problem with the
         values it stores charged (:func:`kiwi_jax.problem.with_stored`), as the decorator
-        does; the operator model charges every value already and is left as it is."""
+        does; with ``auto`` on a mesh, choose the memory model against that compile
+        (:func:`kiwi_jax.problem.closer_to_compiled`), as the decorator does too. The operator
+        model charges every value already and is left as it is."""
         import solvers
         from kiwi_jax.apply import carried_pairs
         from kiwi_jax.compile import compile_plan
         from kiwi_jax.plan import plan_from_solution
-        from kiwi_jax.problem import with_stored
+        from kiwi_jax.problem import chooses_memory_model, closer_to_compiled, with_stored
 
-        if self.build.memory_model != "fused":
+        chooses = chooses_memory_model(self.memory_model, self.mesh.devices.size)
+        if self.build.memory_model != "fused" and not chooses:
             return
         reference = solvers.reference_plan(self.build.problem, **options)
         plan = plan_from_solution(self.build, reference, reference.peak_bytes)
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
-        self.build = with_stored(self.build, applied.compiled, carried_pairs(self.traced))
+        carried = carried_pairs(self.traced)
+        self.build = (closer_to_compiled(self.build, applied.compiled, reference, carried)
+                      if chooses else with_stored(self.build, applied.compiled, carried))
 
     def compile(self, plan):
         """``plan`` applied and compiled as the decorator runs it

@@ -15,10 +15,11 @@ from kiwi_jax.plan import Plan
 
 __all__ = ["PlanCache", "default_cache_dir", "MODEL_VERSION"]
 
-MODEL_VERSION = 3
+MODEL_VERSION = 4
 """The costs and memory plans are solved against; a change that moves plans bumps it, so a
 cached plan of an earlier model is solved again (2: the carried state's resharding priced; 3:
-the operand copies resharding makes held, convolutions sharded)."""
+the operand copies resharding makes held, convolutions sharded; 4: ``memory_model="auto"``
+on a mesh chosen against the compiled reference plan)."""
 
 
 def default_cache_dir() -> pathlib.Path:

@@ -44,8 +44,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         "h100), optionally with a slow-down such as v100-nvlink@10x")
     parser.add_argument("--memory-model", default="auto",
                         help="auto (default): values fused into their readers hold no memory "
-                        "on one device, every operator's output counts on a mesh; fused or "
-                        "operator force one")
+                        "on one device; on a mesh, that model or the one where every "
+                        "operator's output counts, whichever predicts the compiled reference "
+                        "plan closer; fused or operator force one")
     parser.add_argument("--order", default="auto",
                         help="the schedule planned in: auto (default): the traced program's "
                         "order on one device, the order XLA prints the module on a mesh; "

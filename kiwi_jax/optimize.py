@@ -63,7 +63,8 @@ from kiwi_jax.fit import FIT_COMPILES, FitStop, FitTrial, NoPlanInTime, fit_budg
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
-from kiwi_jax.problem import ProblemBuild, build_problem, check_memory_model, with_stored
+from kiwi_jax.problem import (ProblemBuild, build_problem, check_memory_model, chooses_memory_model,
+                              closer_to_compiled, of_memory_model, with_stored)
 from kiwi_jax.recipe_plan import best_recipe_start
 from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
@@ -118,11 +119,13 @@ class Options:
     under a collective beside that collective (False: before the first backward reader)."""
     memory_model: str = "auto"
     """How values are charged memory: ``auto`` (values fused into their readers hold none on
-    one device; every operator's output counts on a mesh), ``fused`` or ``operator``; see
-    :data:`kiwi_jax.problem.MEMORY_MODELS`. With the fused model the values the compiled
-    reference plan stores are charged for a percentage; for a budget in bytes only when
-    ``fused`` is asked for (one more compile): on one device ``auto`` plans a byte budget on
-    the fusion rules alone, which kept the zoo mixer's faster plans (docs/benchmarks.md)."""
+    one device; on a mesh, of that model and the one where every operator's output counts,
+    the one closer to the compiled reference plan: one more compile for a budget in bytes),
+    ``fused`` or ``operator``; see :data:`kiwi_jax.problem.MEMORY_MODELS`. With the fused
+    model the values the compiled reference plan stores are charged for a percentage or on a
+    mesh; for a budget in bytes on one device only when ``fused`` is asked for (one more
+    compile): there ``auto`` plans on the fusion rules alone, which kept the zoo mixer's
+    faster plans (docs/benchmarks.md)."""
     order: str = "auto"
     """The schedule the planner replays (:data:`kiwi_jax.apply.ORDERS`): ``auto`` (the
     traced program's order on one device, the order XLA prints the module on a mesh),
@@ -315,6 +318,7 @@ class OptimizedStep:
             if plan is None:
                 return None, key
             plan_seconds, start = time.perf_counter() - start, time.perf_counter()
+            build = of_memory_model(build, plan.memory_model, carried_pairs(traced))
             applied = self._apply(traced, build, plan, abstract)
         else:
             try:
@@ -709,12 +713,16 @@ class OptimizedStep:
         cache, key = self._cache(traced, build)
         plan = cache.load(key, build.problem.names) if cache is not None else None
         if plan is not None:
-            return plan, True, build, None
+            return plan, True, of_memory_model(build, plan.memory_model, carried_pairs(traced)), \
+                None
         options = self.options
         budget, reference = self._budget_bytes(traced, build, abstract, compiled)
         if reference is not None:
-            charged = with_stored(build, compiled[reference.fingerprint].compiled,
-                                  carried_pairs(traced))
+            compiled_reference = compiled[reference.fingerprint].compiled
+            charged = (closer_to_compiled(build, compiled_reference, reference.solution,
+                                          carried_pairs(traced))
+                       if chooses_memory_model(options.memory_model, options.mesh.devices.size)
+                       else with_stored(build, compiled_reference, carried_pairs(traced)))
             if charged is not build:           # the same decisions, predicted on it
                 build = charged
                 reference = plan_from_solution(build, reference.solution,
@@ -749,16 +757,18 @@ class OptimizedStep:
     def _budget_bytes(self, traced: TracedStep, build: ProblemBuild, abstract: PureStep,
                       compiled: dict[str, CompiledPlan]) -> tuple[int, Plan | None]:
         """The budget in bytes per device, and the reference plan, compiled, when the budget
-        is a percentage or ``memory_model="fused"`` was asked for (the values XLA stores are
-        read from that compile; see :attr:`Options.memory_model`). A percentage is of the
-        reference plan's compiled memory (argument + output + temp - alias), what the step
-        takes without recomputation as XLA counts it: the model's prediction of it misses what
-        the model does not count (on the one-device zoo ViT 1,585,388 B predicted, 1,946,468 B
-        compiled), and "100%" of a prediction that low is a budget the reference plan itself
-        does not fit."""
+        is a percentage, ``memory_model="fused"`` was asked for (the values XLA stores are
+        read from that compile; see :attr:`Options.memory_model`) or ``auto`` on a mesh (the
+        memory model is chosen against it: :func:`kiwi_jax.problem.closer_to_compiled`). A
+        percentage is of the reference plan's compiled memory (argument + output + temp -
+        alias), what the step takes without recomputation as XLA counts it: the model's
+        prediction of it misses what the model does not count (on the one-device zoo ViT
+        1,585,388 B predicted, 1,946,468 B compiled), and "100%" of a prediction that low is
+        a budget the reference plan itself does not fit."""
         options = self.options
         fraction = budget_fraction(options.memory_budget)
-        if fraction is None and options.memory_model != "fused":
+        if (fraction is None and options.memory_model != "fused"
+                and not chooses_memory_model(options.memory_model, options.mesh.devices.size)):
             return parse_bytes(options.memory_budget), None
         solution = reference_solution(build.problem, **options.solver_options())
         reference = plan_from_solution(build, solution, solution.peak_bytes)

@@ -30,7 +30,7 @@ __all__ = ["Plan", "solve_plan", "plan_from_solution", "resolve_budget", "budget
 log = logging.getLogger(__name__)
 
 
-FORMAT = 2
+FORMAT = 3
 """Version of :meth:`Plan.to_json`'s layout; a plan written in another is not read back."""
 
 
@@ -65,6 +65,10 @@ class Plan:
     solver_budget_bytes: int | None = None
     """Budget the solver was given when it differs from ``budget_bytes``: the one the search
     against the compiled step settled on (see ``fit``)."""
+    memory_model: str = "operator"
+    """The memory model of the problem it was solved on (``operator`` or ``fused``): with
+    ``fused``, the values that model fuses are recomputed with the values they read, so a plan
+    from the cache or from process 0 is applied on a problem of the same model."""
     fit: FitRecord | None = None
     """How ``kiwi_jax.optimize`` searched the solver's budget against the compiled step:
     every plan compiled, the compiles spent, the final compiled/budget ratio (None: the plan
@@ -168,6 +172,7 @@ class Plan:
             "cluster": self.cluster, "budget_bytes": int(self.budget_bytes),
             "ideal_compute_seconds": self.ideal_compute_seconds,
             "solver_budget_bytes": self.solver_budget_bytes,
+            "memory_model": self.memory_model,
             "fit": None if self.fit is None else self.fit.to_dict(),
             "solution": {
                 **{f.name: getattr(solution, f.name) for f in dataclasses.fields(solution)
@@ -213,6 +218,7 @@ class Plan:
             cluster=data["cluster"], budget_bytes=data["budget_bytes"],
             ideal_compute_seconds=data["ideal_compute_seconds"],
             solver_budget_bytes=data["solver_budget_bytes"],
+            memory_model=data["memory_model"],
             fit=None if data.get("fit") is None else FitRecord.from_dict(data["fit"]))
 
 
@@ -325,4 +331,4 @@ def plan_from_solution(build: ProblemBuild, solution: solvers.Solution, budget: 
         node_names=problem.names, mesh_shape=build.mesh.shape, cluster=build.cluster.name,
         budget_bytes=int(budget), ideal_compute_seconds=problem.ideal_compute_seconds(),
         solver_budget_bytes=None if solver_budget is None or solver_budget == budget
-        else int(solver_budget))
+        else int(solver_budget), memory_model=build.memory_model)

@@ -193,11 +193,14 @@ def test_the_budget_search_stops_where_a_recipe_that_fits_is_faster(monkeypatch,
     (45,324 B) at est. 0.0153 ms. Plans under less memory are slower still, so the search
     stops after its first compile (of three allowed), and ``tp`` runs; the recipes are
     compiled once, for the search and the choice. (Under 100,000 B, where this test ran
-    before the gradients were tied in, kiwi's first plan now fits: 75,428 B.)"""
+    before the gradients were tied in, kiwi's first plan now fits: 75,428 B.) On the
+    per-operator model: with ``auto``, which chooses the fused model for this MLP, the first
+    plan fits."""
     compiled = _counted_recipe_compiles(monkeypatch)
     ref = build("mlp", **MLP)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=("tp",),
-                             **{**OPTIONS, "memory_budget": 70_000, "fit_compiles": 3})
+                             **{**OPTIONS, "memory_budget": 70_000, "fit_compiles": 3,
+                                "memory_model": "operator"})
     prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
     fit = prepared.plan.fit
     assert fit.stop == FitStop.BEATEN and fit.compiles == fit.solves == 1 and not fit.fits
@@ -296,7 +299,9 @@ def test_without_a_recipe_that_fits_kiwis_error_stands(mesh24):
 def test_kiwi_solves_again_from_a_recipe_that_fits_where_its_own_search_found_none(
         monkeypatch, caplog, mesh24):
     """kiwi's own search ending without a plan (here made to time out) is run again from the
-    fastest recipe plan that fits the budget as replayed; the answer is at least as fast."""
+    fastest recipe plan that fits the budget as replayed; the answer is at least as fast. On
+    the per-operator model: with ``auto`` the reference plan is compiled first, fits the
+    budget and runs, with nothing solved."""
     module = importlib.import_module("kiwi_jax.optimize")
     solve_plan, starts = module.solve_plan, []
 
@@ -309,7 +314,8 @@ def test_kiwi_solves_again_from_a_recipe_that_fits_where_its_own_search_found_no
     monkeypatch.setattr(module, "solve_plan", no_plan_without_a_start)
     ref = build("mlp", **MLP)
     step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False,
-                             recipes=("dp", "fsdp"), **{**OPTIONS, "fit_compiles": 0})
+                             recipes=("dp", "fsdp"),
+                             **{**OPTIONS, "fit_compiles": 0, "memory_model": "operator"})
     with caplog.at_level(logging.WARNING, logger="kiwi_jax.optimize"):
         prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
     assert len(starts) == 2 and starts[0] is None

@@ -147,7 +147,7 @@ def test_plan_of_a_traced_step_round_trips_through_json():
 
 
 def test_plan_of_another_format_is_not_read():
-    with pytest.raises(ValueError, match="plan format 1, this kiwi-jax reads format 2"):
+    with pytest.raises(ValueError, match="plan format 1, this kiwi-jax reads format 3"):
         Plan.from_json(json.dumps({"solver": "kiwi", "keep": []}))
 
 
