@@ -699,7 +699,7 @@ class OptimizedStep:
         """The cached plan, or a new one; whether it came from the cache; the problem it was
         solved on; and, instead of a plan, the model's error for a budget it has no plan
         under. ``compiled`` gets the plans compiled on the way (the reference plan, for a
-        percentage or ``memory_model="fused"``).
+        percentage, ``memory_model="fused"`` or ``auto`` on a mesh).
 
         Where the solver finds no plan under the budget (none in its program, or none in its
         time limit), it is run again from the fastest of ``recipes`` whose plan fits the budget
@@ -709,7 +709,10 @@ class OptimizedStep:
         With the fused memory model, the reference plan, compiled (:meth:`_budget_bytes`),
         says which values XLA stores: the problem is rebuilt with them charged
         (:func:`kiwi_jax.problem.with_stored`), and the plan solved, or the reference plan
-        when it runs, is predicted on it."""
+        when it runs, is predicted on it. With ``auto`` on a mesh that problem is the one
+        solved on where it predicts the compiled reference closer than the per-operator
+        model's (:func:`kiwi_jax.problem.closer_to_compiled`). A cached plan is applied on a
+        problem of the memory model it was solved with."""
         cache, key = self._cache(traced, build)
         plan = cache.load(key, build.problem.names) if cache is not None else None
         if plan is not None:
