@@ -277,17 +277,16 @@ class PlanCompiler:
         from kiwi_jax.apply import carried_pairs
         from kiwi_jax.compile import compile_plan
         from kiwi_jax.plan import plan_from_solution
-        from kiwi_jax.problem import chooses_memory_model, closer_to_compiled, with_stored
+        from kiwi_jax.problem import chooses_memory_model, with_compiled_reference
 
-        chooses = chooses_memory_model(self.memory_model, self.mesh.devices.size)
-        if self.build.memory_model != "fused" and not chooses:
+        if (self.build.memory_model != "fused"
+                and not chooses_memory_model(self.memory_model, self.mesh.devices.size)):
             return
         reference = solvers.reference_plan(self.build.problem, **options)
         plan = plan_from_solution(self.build, reference, reference.peak_bytes)
         applied = compile_plan(self.traced, self.build, plan, self.mesh, self.pure)
-        carried = carried_pairs(self.traced)
-        self.build = (closer_to_compiled(self.build, applied.compiled, reference, carried)
-                      if chooses else with_stored(self.build, applied.compiled, carried))
+        self.build = with_compiled_reference(self.build, self.memory_model, applied.compiled,
+                                             reference, carried_pairs(self.traced))
 
     def compile(self, plan):
         """``plan`` applied and compiled as the decorator runs it

@@ -64,7 +64,7 @@ from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
 from kiwi_jax.problem import (ProblemBuild, build_problem, check_memory_model, chooses_memory_model,
-                              closer_to_compiled, of_memory_model, with_stored)
+                              of_memory_model, with_compiled_reference)
 from kiwi_jax.recipe_plan import best_recipe_start
 from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
@@ -721,11 +721,9 @@ class OptimizedStep:
         options = self.options
         budget, reference = self._budget_bytes(traced, build, abstract, compiled)
         if reference is not None:
-            compiled_reference = compiled[reference.fingerprint].compiled
-            charged = (closer_to_compiled(build, compiled_reference, reference.solution,
-                                          carried_pairs(traced))
-                       if chooses_memory_model(options.memory_model, options.mesh.devices.size)
-                       else with_stored(build, compiled_reference, carried_pairs(traced)))
+            charged = with_compiled_reference(build, options.memory_model,
+                                              compiled[reference.fingerprint].compiled,
+                                              reference.solution, carried_pairs(traced))
             if charged is not build:           # the same decisions, predicted on it
                 build = charged
                 reference = plan_from_solution(build, reference.solution,

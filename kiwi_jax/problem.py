@@ -28,8 +28,8 @@ from solvers.reuse import with_layer_ties
 from solvers.simulator import simulate
 
 __all__ = ["Stored", "build_problem", "check_memory_model", "compiler_stored", "with_stored",
-           "closer_to_compiled", "chooses_memory_model", "of_memory_model", "ProblemBuild",
-           "MEMORY_MODELS"]
+           "closer_to_compiled", "chooses_memory_model", "of_memory_model",
+           "with_compiled_reference", "ProblemBuild", "MEMORY_MODELS"]
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,17 @@ def closer_to_compiled(build: ProblemBuild, compiled, solution, carried=()) -> P
              "%+.1f%% by the operator model, %+.1f%% by the fused one", chosen.memory_model,
              actual, 100 * errors["operator"], 100 * errors["fused"])
     return chosen
+
+
+def with_compiled_reference(build: ProblemBuild, memory_model: str, compiled, solution,
+                            carried=()) -> ProblemBuild:
+    """The problem to plan on once the reference plan ``solution`` is compiled
+    (``compiled``): with ``memory_model`` (the one asked for) ``auto`` on a mesh, the model
+    closer to that compile (:func:`closer_to_compiled`); otherwise ``build`` charged with what
+    the compile stores (:func:`with_stored`; an operator build as it is)."""
+    if chooses_memory_model(memory_model, build.mesh.num_devices):
+        return closer_to_compiled(build, compiled, solution, carried)
+    return with_stored(build, compiled, carried)
 
 
 @dataclasses.dataclass(frozen=True)

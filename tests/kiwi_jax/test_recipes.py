@@ -211,7 +211,7 @@ def test_recipe_names():
 def test_cli_compare_prints_a_table(capsys):
     code = cli.main(["compare", "--model", "mlp", "--layers", "2", "--width", "16", "--batch",
                      "8", "--recipes", "dp", "--budgets", "4MiB", "--fit-compiles", "1",
-                     "--memory-model", "operator", "--json"])
+                     "--json"])
     out = capsys.readouterr().out
     assert code == 0
     assert "compiled MiB" in out and "est. step ms" in out
