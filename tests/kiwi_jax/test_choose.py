@@ -323,3 +323,38 @@ def test_kiwi_solves_again_from_a_recipe_that_fits_where_its_own_search_found_no
     assert starts[1].peak_bytes <= BUDGET
     assert prepared.plan.predicted_step_seconds <= starts[1].objective * (1 + 1e-9)
     assert "solving again from a recipe's plan that fits" in caplog.text
+
+
+@pytest.mark.parametrize("fit_compiles", [2, 0])
+def test_a_time_out_without_a_recipe_start_solves_again_from_the_least_memory(
+        fit_compiles, monkeypatch, caplog, mesh24):
+    """kiwi's own solve timing out under the budget, with no recipe to start from
+    (``recipes=False``): the program's smallest-peak plan fits the budget here, so the solve
+    runs again from it, and the answer is no slower. Without a budget search
+    (``fit_compiles=0``) the time-out stands, as it did."""
+    module = importlib.import_module("kiwi_jax.optimize")
+    solve_plan, starts = module.solve_plan, []
+
+    def first_solve_times_out(build_, budget, solver, **options):
+        starts.append(options.get("warm_start"))
+        if len(starts) == 1:
+            raise solvers.SolverTimeoutError("kiwi: no plan found within the time limit", budget)
+        return solve_plan(build_, budget, solver, **options)
+
+    monkeypatch.setattr(module, "solve_plan", first_solve_times_out)
+    ref = build("mlp", **MLP)
+    step = kiwi_jax.optimize(ref.train_step, mesh=mesh24, cache_dir=False, recipes=False,
+                             **{**OPTIONS, "fit_compiles": fit_compiles,
+                                "memory_model": "operator"})
+    if not fit_compiles:
+        with pytest.raises(solvers.SolverTimeoutError, match="no plan found"):
+            step.lower(*ref.abstract_init(), ref.abstract_batch())
+        assert len(starts) == 1
+        return
+    with caplog.at_level(logging.WARNING, logger="kiwi_jax.optimize"):
+        prepared = step.lower(*ref.abstract_init(), ref.abstract_batch())
+    assert starts[0] is None and starts[1] is not None
+    least, _ = solvers.min_peak_plan(prepared.build.problem, time_limit=OPTIONS["time_limit"])
+    assert starts[1].peak_bytes == least.peak_bytes <= BUDGET
+    assert prepared.plan.predicted_step_seconds <= starts[1].objective * (1 + 1e-9)
+    assert "solving again from the plan of the least memory" in caplog.text
