@@ -378,8 +378,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
                      "whole budget", solver)
             programs.unrefined = True
         elif budget_bytes is not None and fits and solver == "kiwi" \
-                and not exact and result.status == Status.OPTIMAL \
-                and joint.claimed_peak(result.x) >= EXACT_BINDING * limit \
+                and not exact and joint.claimed_peak(result.x) >= EXACT_BINDING * limit \
                 and deadline - time.perf_counter() >= max(result.seconds, 2.0) \
                 and EXACT_BUILD * joint.build_seconds <= max(result.seconds, 1.0):
             # The bounded form holds a recomputed chain over all of its possible stages: where
@@ -389,12 +388,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             # 5,118,955,532 B holds 3,441,168,396 B). Solve that, from this plan, for at most
             # twice the time this solve took, where the time limit leaves at least that time
             # (on the zoo MoE on 2x4 at 80%, after a 24 s solve, the 6 s left found nothing
-            # faster, and the backend ran 12 s on them), and only from a plan the backend
-            # proved: an unproven one is worked on further by the solve that follows. On the
-            # zoo Linen scan on 2x4 at 80% the bounded solve stopped at its share of the time
-            # (19 s) 8.0% from its bound, the exact form found nothing faster in 27 s and the
-            # final solve nothing in 12 s (60.3 s); now the final solve proves a plan 3.1%
-            # faster, in 40.9 s in all.
+            # faster, and the backend ran 12 s on them).
             log.info("%s: plan at the budget with recomputed chains' lifetimes bounded from "
                      "above; solving with them counted as held, from it", solver)
             exact, warm_start = True, _Start(strategy, keep, schedule)
@@ -461,8 +455,8 @@ TOLERANCE_MARGIN = 1e-4
 it by its feasibility tolerance (:func:`_solve`), at the first attempt; ten times more at each
 next one."""
 EXACT_BINDING = 0.99
-"""A proven plan of the bounded form of ``kiwi``'s program whose memory there is at least this
-share of the budget is solved for again in the exact form, from that plan (:func:`_solve`)."""
+"""A plan of the bounded form of ``kiwi``'s program whose memory there is at least this share of
+the budget is solved for again in the exact form, from that plan (:func:`_solve`)."""
 EXACT_BUILD = 3.0
 """The exact form's build, in bounded builds: the bounded form's plan is solved for again in the
 exact form only when that build would take no longer than the bounded solve did (or a second).
