@@ -669,13 +669,19 @@ class OptimizedStep:
         the budget search's first trial, as solving for it again under so tight a budget may
         take the whole time limit (120 s, to a plan of the same peak, on the 2-layer reference
         GPT on one device). None where its peak is over ``budget``."""
-        options = self.options
-        solution, _ = solvers.min_peak_plan(build.problem, options.solver, options.backend,
-                                            options.time_limit, options.reuse_layers)
+        solution, _ = self._least_memory(build)
         if solution is None or solution.budget_bytes > budget:
             return None
         return plan_from_solution(build, dataclasses.replace(solution, budget_bytes=budget),
                                   budget)
+
+    def _least_memory(self, build: ProblemBuild) -> tuple[solvers.Solution | None, int | None]:
+        """The program's smallest-peak plan and its bound (:func:`solvers.min_peak_plan` with
+        the step's options). One call for :meth:`_smallest_start` and :meth:`_smallest`, so
+        that the second finds the first's answer kept under the same key."""
+        options = self.options
+        return solvers.min_peak_plan(build.problem, options.solver, options.backend,
+                                     options.time_limit, options.reuse_layers)
 
     def _key(self, traced: TracedStep, build: ProblemBuild) -> str:
         """What this step's plan depends on, hashed: the step's HLO, the mesh, the budget, the
@@ -781,8 +787,7 @@ class OptimizedStep:
         options = self.options
         if options.solver in solvers.LYNX_SOLVERS or not options.fit_compiles:
             raise timeout
-        solution, lower = solvers.min_peak_plan(build.problem, options.solver, options.backend,
-                                                options.time_limit, options.reuse_layers)
+        solution, lower = self._least_memory(build)
         if solution is None:
             raise timeout
         if solution.budget_bytes <= budget:
