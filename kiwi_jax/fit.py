@@ -132,6 +132,9 @@ class FitTrial:
     compiled_step_seconds: float | None = None
     """Its compiled step's estimated time (``fit_budget``'s ``seconds``); None: not compiled,
     or not estimated."""
+    blocks: bool = False
+    """A plan of the whole-block recomputation's search (set by the decorator after the
+    search's own trials, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,7 +190,7 @@ class FitRecord:
         if self.stop == FitStop.BLOCKS:
             fitted = any(trial.compiled_peak_bytes is not None
                          and trial.compiled_peak_bytes <= self.budget_bytes
-                         for trial in self.trials[:self.chosen])
+                         for trial in self.trials if not trial.blocks)
             searched = ("a plan of the search fit; the whole-block recomputation, estimated "
                         "faster," if fitted else "no plan of the search fit; whole-block "
                         "recomputation")

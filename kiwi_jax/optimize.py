@@ -59,7 +59,7 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
-from kiwi_jax.fit import FIT_COMPILES, FitStop, FitTrial, NoPlanInTime, fit_budget
+from kiwi_jax.fit import FIT_COMPILES, FitRecord, FitStop, NoPlanInTime, fit_budget
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
@@ -79,6 +79,10 @@ HOLD_THE_REFERENCE = ("alpa", "kiwi", "kiwi-full")
 """The solvers whose programs hold the reference plan (``alpa``'s sharding, every value kept):
 under a budget its compiled step fits, it is their plan (the baselines' plans run as their
 rules make them)."""
+
+BLOCK_COMPILES = 3
+"""Most compiles of the whole-block recomputation's budget search (at least 2, and no more than
+``fit_compiles``): its fastest plan, then two solver budgets under it."""
 
 
 class NotATrainStepError(ValueError):
@@ -524,11 +528,11 @@ class OptimizedStep:
             beaten=None if recipe_steps is None else beaten,
             seconds=estimate)
         record = result.record
-        # not for Lynx, whose plans are the recomputations it hides under collectives
-        if (not record.fits or infeasible is not None) \
+        # not for Lynx, whose plans are the recomputations it hides under collectives, nor
+        # where a recipe that fits beat the search (a whole-block plan is slower still)
+        if (not record.fits or infeasible is not None) and record.stop != FitStop.BEATEN \
                 and options.solver not in solvers.LYNX_SOLVERS:
-            whole = self._whole_blocks(traced, build, abstract, budget, record, applied,
-                                       estimate)
+            whole = self._whole_blocks(build, budget, record, compile_, estimate)
             if whole is not None and (not record.fits
                                       or estimate(whole) < estimate(result.plan)):
                 return whole, applied[whole.fingerprint]
@@ -560,8 +564,8 @@ class OptimizedStep:
         """The compiled-cost estimate of a compiled step's time (:mod:`kiwi_jax.estimate`)."""
         return compiled_cost(applied.compiled, self.options.mesh, build.cluster).step_seconds
 
-    def _whole_blocks(self, traced, build: ProblemBuild, abstract, budget: int, record,
-                      applied: dict[str, CompiledPlan],
+    def _whole_blocks(self, build: ProblemBuild, budget: int, record: FitRecord,
+                      compile_: Callable[[Plan], int],
                       estimate: Callable[[Plan], float]) -> Plan | None:
         """When no plan of the budget search fits, or the budget is under the model's
         smallest peak (there the search's plans are the model's least-memory ones, which it
@@ -569,10 +573,19 @@ class OptimizedStep:
         per-operator model, the smallest-peak plan compiles to 16.51 MB and an estimated
         0.7468 ms, the whole-block one to 17.90 MB and 0.7096 ms, the faster of the two
         runs): the planner's whole-block recomputation (``alpa+full``: each layer keeps its
-        input and recomputes the rest that eq. 9 and its chains allow; its operators sharded
-        for speed, then, if that is over, for the least memory its model finds:
-        :meth:`_whole_block_plans`), compiled as the decorator runs it, if it fits (None
-        otherwise).
+        input and recomputes the rest that eq. 9 and its chains allow), its solver budget
+        searched against the compiled step as the search's is (:func:`kiwi_jax.fit.fit_budget`,
+        at most :data:`BLOCK_COMPILES` compiles), from its fastest plan (no memory limit)
+        down. The fastest plan that fits once compiled is returned (None if none does), with
+        the search's trials after ``record``'s (``FitStop.BLOCKS``).
+
+        The model over-predicts these plans' memory, so the plan solved under the budget
+        leaves much of it unused: the GPT at hidden 1024 on 4x2 at 434,601,892 B (the
+        ``fsdp+tp/nothing_saveable`` recipe's compiled memory) has no whole-block plan
+        under 600 MB in the model; its fastest is predicted at 717.5 MB and compiles to
+        465.8 MB, over; solved under its smallest feasible budget it compiles to 374.2 MB
+        (0.861 of the budget) at an estimated 25.86 ms, and solved under 680 MB to 428.1 MB
+        (0.985) at 24.98 ms, where the recipe's is 25.55 ms.
 
         On one device, run as its export (each block under its layer's ``jax.checkpoint``),
         it is close to the step ``nothing_saveable`` gives, where the search's smallest plans
@@ -582,65 +595,49 @@ class OptimizedStep:
         byte budget with ``memory_model="auto"``), which leave some values undroppable, the
         ViT's to 3.2% under it and the mixer's 7.3% over. On a mesh, the zoo
         encoder-decoder on 2x4 at 80% (501,027 B): the search's plans compiled to 565,060
-        and 550,020 B, the whole-block one to 465,284 B. The plan's ``fit`` record says it
-        was chosen so (``FitStop.BLOCKS``), with its compiled-cost ``estimate``."""
-        solves = 0
-        for label, plan, calls, solver_budget in self._whole_block_plans(build, budget):
-            solves += calls
-            if plan is None:
-                continue
-            if not plan.recomputed:         # no layer to recompute: the search's plans stand
-                return None
-            if plan.fingerprint not in applied:
-                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
-            compiled = applied[plan.fingerprint].memory.peak_bytes
-            log.info("%s: whole-block recomputation (%s) compiles to %d B (budget %d B)",
-                     self.__name__, label, compiled, budget)
-            if compiled > budget:
-                continue
-            trial = FitTrial(solver_budget or budget, plan.predicted_peak_bytes, compiled,
-                             plan.predicted_step_seconds, compiled_step_seconds=estimate(plan))
-            fit = dataclasses.replace(record, trials=(*record.trials, trial),
-                                      chosen=len(record.trials), stop=FitStop.BLOCKS,
-                                      solves=record.solves + solves)
-            return dataclasses.replace(plan, fit=fit)
-        return None
-
-    def _whole_block_plans(self, build: ProblemBuild, budget: int):
-        """The whole-block recomputation's plans, lazily, as ``(label, plan, solver calls,
-        solver budget)``: the fastest (no memory limit: solver budget None), then the one its
-        model gives under ``budget``, or, where it has none there, under its smallest feasible
-        budget (``plan`` None where a solve gives none). Their layouts differ: on the zoo
-        mixer on 2x4 at 80% (446,412 B) the fastest compiles to 596,084 B, and the
-        least-memory one, solved under 618,116 B (the model's smallest feasible budget for
-        it), to 424,168 B."""
+        and 550,020 B, the whole-block one to 465,284 B."""
         options = self.options
 
-        def solve(solver_budget):
-            return plan_from_solution(build, solvers.solve(
-                build.problem, solver_budget, solver="alpa+full", **options.solver_options()),
-                budget)
+        def solve(solver_budget: int | None) -> Plan | None:
+            try:
+                return plan_from_solution(build, solvers.solve(
+                    build.problem, solver_budget, solver="alpa+full", search_min_feasible=False,
+                    **options.solver_options()), budget)
+            except solvers.InfeasibleBudgetError:
+                return None
+            except solvers.SolverTimeoutError as error:
+                raise NoPlanInTime(str(error)) from error
 
         try:
-            yield "fastest", solve(None), 1, None
-        except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
-            log.info("%s: no whole-block plan (%s)", self.__name__, error)
-            yield "fastest", None, 1, None
-        try:
-            yield "least memory", solve(budget), 1, budget
-            return
-        except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as error:
-            failed = error
-        # where the model has no plan under the budget: under its smallest feasible one
-        floor = failed.min_feasible_bytes \
-            if isinstance(failed, solvers.InfeasibleBudgetError) else None
-        if floor is not None:
-            try:
-                yield "least memory", solve(floor), 2, floor
-                return
-            except (solvers.InfeasibleBudgetError, solvers.SolverTimeoutError) as again:
-                failed = again
-        log.info("%s: no least-memory whole-block plan (%s)", self.__name__, failed)
+            fastest = solve(None)
+        except NoPlanInTime as error:
+            fastest, why = None, error
+        else:
+            why = "no plan"
+        if fastest is None:
+            log.info("%s: no whole-block plan (%s)", self.__name__, why)
+            return None
+        if not fastest.recomputed:          # no layer to recompute: the search's plans stand
+            return None
+        top = int(fastest.predicted_peak_bytes)
+
+        def solve_under(solver_budget: int) -> Plan | None:
+            return fastest if solver_budget >= top else solve(solver_budget)
+
+        result = fit_budget(
+            budget, solve_under, compile_, key=lambda plan: plan.fingerprint,
+            unlimited=lambda: fastest, start=top,
+            max_compiles=min(BLOCK_COMPILES, max(2, options.fit_compiles)),
+            step_tolerance=options.mip_gap, seconds=estimate)
+        blocks = result.record
+        log.info("%s: whole-block recomputation: %s", self.__name__, blocks.describe())
+        if not blocks.fits:
+            return None
+        trials = tuple(dataclasses.replace(trial, blocks=True) for trial in blocks.trials)
+        fit = dataclasses.replace(record, trials=(*record.trials, *trials),
+                                  chosen=len(record.trials) + blocks.chosen, stop=FitStop.BLOCKS,
+                                  solves=record.solves + blocks.solves)
+        return dataclasses.replace(result.plan, fit=fit)
 
     def _warn_over_budget(self, plan: Plan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
