@@ -611,11 +611,10 @@ class OptimizedStep:
         try:
             fastest = solve(None)
         except NoPlanInTime as error:
-            fastest, why = None, error
-        else:
-            why = "no plan"
+            log.info("%s: no whole-block plan (%s)", self.__name__, error)
+            return None
         if fastest is None:
-            log.info("%s: no whole-block plan (%s)", self.__name__, why)
+            log.info("%s: no whole-block plan", self.__name__)
             return None
         if not fastest.recomputed:          # no layer to recompute: the search's plans stand
             return None
