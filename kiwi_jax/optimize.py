@@ -81,8 +81,9 @@ under a budget its compiled step fits, it is their plan (the baselines' plans ru
 rules make them)."""
 
 BLOCK_COMPILES = 3
-"""Most compiles of the whole-block recomputation's budget search (at least 2, and no more than
-``fit_compiles``): its fastest plan, then two solver budgets under it."""
+"""Most compiles of the whole-block recomputation's budget search: its fastest plan, then two
+solver budgets under it (``fit_compiles`` where that is 2, and 2 where it is 1: the fastest
+plan and one under it, as before the search)."""
 
 
 class NotATrainStepError(ValueError):
