@@ -75,6 +75,63 @@ def _flops(module: HloModule, computation: Computation) -> float:
     return total
 
 
+_SLICES = frozenset({"slice", "dynamic-slice", "gather"})
+"""Operations that read only what they return of their first operand."""
+_FUSED_SLICES = frozenset({"slice", "dynamic-slice"})
+"""Those of them that XLA's cost analysis also counts so inside a fusion."""
+
+
+def _bytes(module: HloModule, instr, operands: list) -> int:
+    """Bytes a kernel reads and writes, by the rules of XLA's ``HloCostAnalysis``.
+
+    An operand is read whole once, except where a kernel reads only part of it: a slice
+    (dynamic or not, or a gather) reads what it returns (and its indices), and a
+    dynamic-update-slice writes its update into its first operand in place, so that operand
+    is neither read nor written whole. In a fusion the same holds for each fused parameter
+    that slices read, and for a root (or root tuple element) that is an in-place update;
+    other uses of a fused parameter share one whole read (XLA charges a fused broadcast or
+    reshape one whole read each).
+    Counted whole, a step that slices its replicated gradients for a sharded optimizer
+    update was charged every gradient's full size in each update kernel.
+    """
+    if instr.opcode in _SLICES:
+        return 2 * instr.shape.nbytes + sum(s.nbytes for s in operands[1:])
+    if instr.opcode == "dynamic-update-slice":
+        return 2 * operands[1].nbytes + sum(s.nbytes for s in operands[2:])
+    if instr.opcode != "fusion":
+        return instr.shape.nbytes + sum(s.nbytes for s in operands)
+    computation = _called(module, instr)
+    defined = computation.by_name()
+    users: dict[str, list] = {}
+    for inner in computation.instructions:
+        for name in inner.operands:
+            users.setdefault(name, []).append(inner)
+    read = 0
+    for param in computation.instructions:
+        if param.opcode == "parameter":
+            read += _parameter_read(param, users.get(param.name, ()))
+    root = computation.root
+    outputs = ([defined[o] for o in root.operands] if root.opcode == "tuple" else [root])
+    written = sum(defined[o.operands[1]].shape.nbytes if o.opcode == "dynamic-update-slice"
+                  else o.shape.nbytes for o in outputs)
+    return read + written
+
+
+def _parameter_read(param, users) -> int:
+    """Bytes a fused parameter is read with: each slice of it reads its result, an in-place
+    update of it reads nothing, and every other use shares one whole read."""
+    read, whole = 0, False
+    for user in users:
+        first = user.operands[0] == param.name
+        if user.opcode in _FUSED_SLICES and first:
+            read += user.shape.nbytes
+        elif user.opcode == "dynamic-update-slice" and first:
+            continue
+        elif not whole:
+            read, whole = read + param.shape.nbytes, True
+    return read
+
+
 def _called(module: HloModule, instr) -> Computation:
     name = instr.attrs.get("calls", instr.attrs.get("to_apply", "")).lstrip("%")
     if name not in module.computations:
@@ -117,6 +174,6 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
             flops = op_flops(instr.opcode, instr.shape, operands,
                              instr.int_list("lhs_contracting_dims"),
                              instr.attrs.get("dim_labels", ""))
-        nbytes = instr.shape.nbytes + sum(s.nbytes for s in operands)
-        out.append(Kernel(instr.name, instr.opcode, flops, nbytes, instr.op_name))
+        out.append(Kernel(instr.name, instr.opcode, flops, _bytes(module, instr, operands),
+                          instr.op_name))
     return tuple(out)
