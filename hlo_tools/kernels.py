@@ -4,7 +4,8 @@ After fusion every instruction of the entry computation that computes something 
 (a fusion, or an operation XLA left alone); its FLOPs are those of the operations it runs,
 counted as the cost model counts them (:func:`hlo_tools.graph.op_flops`, through fused and
 called computations), and its bytes are what it reads and writes in memory: its operands and
-its result, as XLA's cost analysis charges a fusion (values inside a fusion stay in registers).
+its result, as XLA's cost analysis charges a fusion (values inside a fusion stay in registers;
+a slice reads only what it returns, an in-place update moves only its update).
 Collectives are not kernels here: they are priced as communication.
 
 Their sums are close to XLA's own ``compiled.cost_analysis()`` totals (``flops``,
@@ -14,7 +15,8 @@ from memory-bound ones, so a roofline can be applied per kernel.
 References:
   Williams, Waterman and Patterson, "Roofline: an insightful visual performance model" (CACM
   2009): a kernel takes max(FLOPs / peak, bytes / bandwidth); XLA's HloCostAnalysis (a fusion's
-  bytes are its operands' and its result's).
+  bytes are its operands' and its result's, less what slices and in-place updates leave
+  untouched).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Kernel:
     flops: float
     """Floating point operations of everything it runs (:func:`hlo_tools.graph.op_flops`)."""
     bytes: int
-    """Bytes it reads and writes: its operands' and its result's."""
+    """Bytes it reads and writes: its operands' and its result's (see :func:`_bytes`)."""
     op_name: str = ""
     """The instruction's ``op_name`` (the jax source it came from), or ""."""
 
