@@ -89,10 +89,11 @@ def _bytes(module: HloModule, instr, operands: list) -> int:
     An operand is read whole once, except where a kernel reads only part of it: a slice
     (dynamic or not, or a gather) reads what it returns (and its indices), and a
     dynamic-update-slice writes its update into its first operand in place, so that operand
-    is neither read nor written whole. In a fusion the same holds for each fused parameter
-    that slices read, and for a root (or root tuple element) that is an in-place update;
-    other uses of a fused parameter share one whole read (XLA charges a fused broadcast or
-    reshape one whole read each).
+    is neither read nor written whole. In a fusion the same holds for each use of a fused
+    parameter by a slice or dynamic slice (not by a gather), and for a root (or root tuple
+    element) that is an in-place update; other uses of a fused parameter share one whole
+    read (XLA charges a fused broadcast or reshape one whole read each).
+
     Counted whole, a step that slices its replicated gradients for a sharded optimizer
     update was charged every gradient's full size in each update kernel.
     """
