@@ -12,7 +12,7 @@ row) and, for kiwi's rows, whether the compiled step fits its budget. Everything
 with abstract arguments (nothing runs).
 
 Usage: python -m experiments.vs_recipes [--json] [--quick] [--zoo llama | --model gpt]
-       [--layers 4 --dim 64 ...] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
+       [--layers 4 --dim 64 ... --size image_size=224] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
        [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60]
        [--memory-model auto] [--order auto] [--name vs_recipes]
        python -m experiments.vs_recipes --replot results/vs_recipes.json   # its PNG again
@@ -62,11 +62,25 @@ def add_model_arguments(parser) -> None:
     which.add_argument("--model", default=None, help="a reference model (gpt, bert, mlp)")
     for flag in SIZE_FLAGS:
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
+                        help="any other size the model takes, repeatable (the zoo ViT's "
+                             "depth, mlp_dim, image_size, patch_size)")
 
 
 def model_sizes(args) -> dict:
-    """The sizes given on the command line (:func:`add_model_arguments`)."""
-    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+    """The sizes given on the command line (:func:`add_model_arguments`).
+
+    Raises:
+      ValueError: a ``--size`` that is not ``NAME=N``.
+    """
+    sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+    for item in args.size:
+        key, _, value = item.partition("=")
+        if not key.isidentifier() or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--size {item!r}: expected NAME=N, an integer size such as "
+                             "image_size=224")
+        sizes[key] = int(value)
+    return sizes
 
 
 def model_step(args, sizes: dict):
@@ -162,7 +176,10 @@ def main(argv=None) -> dict:
         return run(args, QUICK["sizes"], QUICK["recipes"],
                    [parse_bytes(b) for b in QUICK["budgets"]], QUICK["fit_compiles"],
                    args.name, args.json)
-    sizes = model_sizes(args)
+    try:
+        sizes = model_sizes(args)
+    except ValueError as error:
+        parser.error(str(error))
     budgets = [parse_bytes(b) for b in args.budgets] if args.budgets else None
     return run(args, sizes, args.recipes, budgets, args.fit_compiles, args.name, args.json,
                args.kiwi_points)

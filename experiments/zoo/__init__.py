@@ -18,6 +18,7 @@ seconds on a CPU; the size arguments scale them.
 """
 
 import importlib
+import inspect
 
 __all__ = ["MODELS", "SCANNED", "make"]
 
@@ -32,9 +33,15 @@ def make(name: str, *, abstract: bool = True, seed: int = 0, **sizes):
     """``(train_step, args)`` of the zoo model ``name`` (see the module docstring).
 
     Raises:
-      ValueError: an unknown model name.
+      ValueError: an unknown model name, or a size the model does not take.
     """
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}: expected one of {', '.join(MODELS)}")
     module = importlib.import_module(f"experiments.zoo.{name}")
+    taken = [p.name for p in inspect.signature(module.make).parameters.values()
+             if p.kind == p.POSITIONAL_OR_KEYWORD]
+    unknown = sorted(set(sizes) - set(taken))
+    if unknown:
+        raise ValueError(f"the zoo {name} takes no size {', '.join(unknown)}; its sizes are "
+                         f"{', '.join(taken)}")
     return module.make(abstract=abstract, seed=seed, **sizes)

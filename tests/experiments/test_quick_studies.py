@@ -170,6 +170,19 @@ def test_vs_recipes_quick(results, capsys):
     assert kiwi["fits"] == (kiwi["compiled_bytes"] <= kiwi["budget_bytes"])
 
 
+def test_vs_recipes_sizes_any_model_argument(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    vs_recipes.add_model_arguments(parser)
+    args = parser.parse_args(["--zoo", "vit", "--dim", "768", "--size", "image_size=224",
+                              "--size", "patch_size=16"])
+    assert vs_recipes.model_sizes(args) == {"dim": 768, "image_size": 224, "patch_size": 16}
+    with pytest.raises(SystemExit):
+        vs_recipes.main(["--zoo", "vit", "--size", "image_size"])
+    assert "--size 'image_size': expected NAME=N" in capsys.readouterr().err
+
+
 def test_zoo_solve_times_one_solve_per_cell(results, capsys):
     # 10 MB per device holds the zoo Llama on one device whole: a plan that keeps everything
     result = zoo_solve.main(["--cells", "llama:1x1:10000000", "--json"])

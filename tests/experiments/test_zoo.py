@@ -54,6 +54,9 @@ def test_every_model_is_in_the_table():
     assert set(TINY) == set(zoo.MODELS)
     with pytest.raises(ValueError, match="unknown zoo model 'gpt'"):
         zoo.make("gpt")
+    with pytest.raises(ValueError, match="the zoo vit takes no size layers; its sizes are "
+                                         "depth, dim, heads, mlp_dim"):
+        zoo.make("vit", layers=2)
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
