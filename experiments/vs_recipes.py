@@ -12,7 +12,8 @@ row) and, for kiwi's rows, whether the compiled step fits its budget. Everything
 with abstract arguments (nothing runs).
 
 Usage: python -m experiments.vs_recipes [--json] [--quick] [--zoo llama | --model gpt]
-       [--layers 4 --dim 64 ... --size image_size=224] [--mesh 2x4] [--cluster v100-nvlink] [--recipes dp fsdp ...]
+       [--layers 4 --dim 64 ... --size image_size=224] [--mesh 2x4] [--cluster v100-nvlink]
+       [--recipes dp fsdp ...]
        [--budgets 2MiB 4MiB | --kiwi-points 4] [--fit-compiles 2] [--time-limit 60]
        [--memory-model auto] [--order auto] [--name vs_recipes]
        python -m experiments.vs_recipes --replot results/vs_recipes.json   # its PNG again
