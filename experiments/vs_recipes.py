@@ -63,25 +63,24 @@ def add_model_arguments(parser) -> None:
     which.add_argument("--model", default=None, help="a reference model (gpt, bert, mlp)")
     for flag in SIZE_FLAGS:
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
-    parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
+    parser.add_argument("--size", action="append", default=[], type=_size, metavar="NAME=N",
                         help="any other size the model takes, repeatable (the zoo ViT's "
                              "depth, mlp_dim, image_size, patch_size)")
 
 
-def model_sizes(args) -> dict:
-    """The sizes given on the command line (:func:`add_model_arguments`).
+def _size(item: str) -> tuple[str, int]:
+    """One ``--size NAME=N`` as ``(NAME, N)``; the parser's error otherwise."""
+    key, _, value = item.partition("=")
+    if not key.isidentifier() or not value.strip().lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"--size {item!r}: expected NAME=N, an integer size "
+                                         "such as image_size=224")
+    return key, int(value)
 
-    Raises:
-      ValueError: a ``--size`` that is not ``NAME=N``.
-    """
-    sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
-    for item in args.size:
-        key, _, value = item.partition("=")
-        if not key.isidentifier() or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--size {item!r}: expected NAME=N, an integer size such as "
-                             "image_size=224")
-        sizes[key] = int(value)
-    return sizes
+
+def model_sizes(args) -> dict:
+    """The sizes given on the command line (:func:`add_model_arguments`)."""
+    return {**{f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None},
+            **dict(args.size)}
 
 
 def model_step(args, sizes: dict):
@@ -177,10 +176,7 @@ def main(argv=None) -> dict:
         return run(args, QUICK["sizes"], QUICK["recipes"],
                    [parse_bytes(b) for b in QUICK["budgets"]], QUICK["fit_compiles"],
                    args.name, args.json)
-    try:
-        sizes = model_sizes(args)
-    except ValueError as error:
-        parser.error(str(error))
+    sizes = model_sizes(args)
     budgets = [parse_bytes(b) for b in args.budgets] if args.budgets else None
     return run(args, sizes, args.recipes, budgets, args.fit_compiles, args.name, args.json,
                args.kiwi_points)
