@@ -20,7 +20,8 @@ from hlo_tools.liveness import fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.merge import merge_followers
-from kiwi_jax.sharding import Spec, comm_seconds, gathers_whole, local_bytes, reshard_comms
+from kiwi_jax.sharding import (Spec, comm_seconds, gathers_whole, local_bytes, reshard_comms,
+                               shard_count)
 from kiwi_jax.strategies import Strategy, latency_shares, node_strategies
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
@@ -29,7 +30,7 @@ from solvers.simulator import simulate
 
 __all__ = ["Stored", "build_problem", "check_memory_model", "compiler_stored", "with_stored",
            "closer_to_compiled", "chooses_memory_model", "of_memory_model",
-           "with_compiled_reference", "ProblemBuild", "MEMORY_MODELS"]
+           "with_compiled_reference", "with_free_layouts", "ProblemBuild", "MEMORY_MODELS"]
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +243,22 @@ def with_stored(build: ProblemBuild, compiled, carried=()) -> ProblemBuild:
              int(stored.workspace.sum()), int((stored.workspace > 0).sum()))
     return build_problem(build.graph, build.mesh, build.cluster, memory_model="fused",
                          carried=carried, stored=stored, donated=build.donated)
+
+
+def with_free_layouts(build: ProblemBuild) -> ProblemBuild:
+    """``build`` with its problem merged again by the rule that leaves the layouts free
+    (:func:`kiwi_jax.merge.merge_followers` with ``pieces``): the same nodes, costs, memory
+    and ties, with more strategy variables. With no memory limit, the zoo ViT at dim 768
+    (docs/benchmarks.md, "The program with the layouts left free, where memory does not
+    bind"): its plan compiles to an estimated 7.005 ms on 2x4 and 6.973 ms on 1x8, where
+    the default program's plans compile to 7.076 and 7.047 ms and the fastest recipe to
+    6.996 ms; the reference GPT at hidden 1024 on 1x8: 22.11 ms against 21.78 ms. Under a
+    memory limit it solves up to 2.7x slower."""
+    pieces = tuple(np.array([shard_count(s.out, build.mesh) for s in options])
+                   for options in build.strategies)
+    free = merge_followers(dataclasses.replace(build.problem, leader=None, follow=None), pieces)
+    return ProblemBuild(build.graph, build.mesh, build.cluster, build.strategies, free,
+                        build.unsupported, build.memory_model, build.fused, build.donated)
 
 
 def chooses_memory_model(memory_model: str, num_devices: int) -> bool:

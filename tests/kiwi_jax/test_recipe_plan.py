@@ -19,7 +19,7 @@ from kiwi_jax.recipe_plan import best_recipe_start, recipe_keep, recipe_pins, re
 from kiwi_jax.recipes import Recipe, compile_recipe
 from kiwi_jax.recipe_specs import recipe_specs
 from kiwi_jax.models.registry import build as reference
-from kiwi_jax.problem import build_problem
+from kiwi_jax.problem import build_problem, with_free_layouts
 from kiwi_jax.sharding import from_partition_spec
 from kiwi_jax.step import functionalize
 from solvers import simulate, solve
@@ -211,6 +211,31 @@ def test_the_data_parallel_plan_updates_in_place_as_the_recipe_does(planned, sol
     recipe's 197,132 B; that rule was not kept."""
     traced, build = planned
     problem, solution = build.problem, solutions["dp"]
+    carried = sum(problem.carried_resharding[k][solution.strategy[v], solution.strategy[p]]
+                  for k, (v, p) in enumerate(problem.carried))
+    assert carried == 0.0
+    applied = compile_plan(traced, build, plan_from_solution(build, solution,
+                                                             int(solution.peak_bytes)),
+                           mesh24, traced.pure)
+    step, args = zoo.make("llama", **LLAMA)
+    recipe = compile_recipe(step, args, mesh24, "dp")
+    assert applied.memory.peak_bytes <= 1.02 * recipe.peak_bytes
+
+
+def test_with_the_layouts_left_free_the_data_parallel_plan_updates_as_the_recipe_does(
+        planned, mesh24):
+    """The test above, on the program with the layouts left free
+    (:func:`kiwi_jax.problem.with_free_layouts`), which the decorator solves where memory does
+    not bind: the solver places each update chain's head and the backward pass's layout
+    operators, so ``dp``'s plan updates in the state's own layout and gathers nothing back,
+    and it compiles within 2% of the recipe."""
+    traced, build = planned
+    free = with_free_layouts(build)
+    assert len(free.problem.leaders) > len(build.problem.leaders)
+    assert (free.problem.ties == build.problem.ties).all()
+    problem = free.problem
+    solution = recipe_solution(traced, free, mesh24, Recipe.parse("dp"), OPTIONS,
+                               least_memory=False)
     carried = sum(problem.carried_resharding[k][solution.strategy[v], solution.strategy[p]]
                   for k, (v, p) in enumerate(problem.carried))
     assert carried == 0.0
