@@ -111,6 +111,11 @@ class FitStop(enum.Enum):
     :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`): every layer keeps its input and
     recomputes the rest (on one device, compiled as its export: close to the step
     ``nothing_saveable`` gives)."""
+    LAYOUTS = "layouts"
+    """The search's plan fit and was as fast as its plan with no memory limit (memory does not
+    bind), and the plan with no memory limit of the program with the layouts left free fits
+    too, estimated faster (set by the decorator,
+    :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,10 @@ class FitTrial:
     blocks: bool = False
     """A plan of the whole-block recomputation's search (set by the decorator after the
     search's own trials, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`)."""
+    layouts: bool = False
+    """The plan with no memory limit of the program with the layouts left free (set by the
+    decorator after the search's own trials,
+    :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,6 +206,10 @@ class FitRecord:
             return (f"{spent}: {searched} compiled "
                     f"{self.compiled_peak_bytes:,} B = {self.ratio:.3f} of the "
                     f"{self.budget_bytes:,} B budget (stopped: {self.stop.value})")
+        if self.stop == FitStop.LAYOUTS:
+            return (f"{spent}: the plan with the layouts left free, estimated faster than "
+                    f"the search's, compiled {self.compiled_peak_bytes:,} B = {self.ratio:.3f} "
+                    f"of the {self.budget_bytes:,} B budget (stopped: {self.stop.value})")
         return (f"{spent}: compiled "
                 f"{self.compiled_peak_bytes:,} B = {self.ratio:.3f} of the "
                 f"{self.budget_bytes:,} B budget at solver budget {self.solver_budget_bytes:,} B"

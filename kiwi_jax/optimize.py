@@ -59,12 +59,13 @@ from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
-from kiwi_jax.fit import FIT_COMPILES, FitRecord, FitStop, NoPlanInTime, fit_budget
+from kiwi_jax.fit import (FIT_COMPILES, FitRecord, FitResult, FitStop, FitTrial, NoPlanInTime,
+                          fit_budget)
 from kiwi_jax.multihost import Exchange, exchange, place
 from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_solution,
                            solve_plan)
 from kiwi_jax.problem import (ProblemBuild, build_problem, check_memory_model, chooses_memory_model,
-                              of_memory_model, with_compiled_reference)
+                              of_memory_model, with_compiled_reference, with_free_layouts)
 from kiwi_jax.recipe_plan import best_recipe_start
 from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
@@ -529,6 +530,11 @@ class OptimizedStep:
             beaten=None if recipe_steps is None else beaten,
             seconds=estimate)
         record = result.record
+        if record.fits and record.stop == FitStop.FASTEST and infeasible is None \
+                and record.compiles < options.fit_compiles and options.mesh.devices.size > 1 \
+                and options.solver not in solvers.LYNX_SOLVERS:
+            result = self._free_layouts(build, result, compile_, estimate)
+            record = result.record
         # not for Lynx, whose plans are the recomputations it hides under collectives, nor
         # where a recipe that fits beat the search (a whole-block plan is slower still)
         if (not record.fits or infeasible is not None) and record.stop != FitStop.BEATEN \
@@ -638,6 +644,47 @@ class OptimizedStep:
                                   chosen=len(record.trials) + blocks.chosen, stop=FitStop.BLOCKS,
                                   solves=record.solves + blocks.solves)
         return dataclasses.replace(result.plan, fit=fit)
+
+    def _free_layouts(self, build: ProblemBuild, result: FitResult[Plan],
+                      compile_: Callable[[Plan], int],
+                      estimate: Callable[[Plan], float]) -> FitResult[Plan]:
+        """Where memory does not bind (the search's plan fits and is as fast as its plan with no
+        memory limit): the plan with no memory limit of the program with the layouts left free
+        (:func:`kiwi_jax.problem.with_free_layouts`), compiled, its trial after the search's.
+        It is ``result``'s plan (``FitStop.LAYOUTS``) where it fits and is estimated faster;
+        else ``result`` stands. The merge that makes the program small fixes the update's and
+        the weight gradients' layouts, and the model's price of the replicated update is right
+        on some models and not on others (docs/cost_model.md, "Update chains in their
+        operand's spec"): the compiled step chooses. Under a memory limit that program solves
+        up to 2.7x slower, so it is solved here only with none, and only while the search has
+        a compile of ``fit_compiles`` left."""
+        options, record = self.options, result.record
+        try:
+            solution = solvers.solve(with_free_layouts(build).problem, None,
+                                     solver=options.solver, **options.solver_options())
+        except solvers.SolverTimeoutError as error:
+            log.info("%s: the program with the layouts left free: %s", self.__name__, error)
+            return result
+        plan = plan_from_solution(build, solution, record.budget_bytes)
+        if plan.fingerprint == result.plan.fingerprint:
+            log.info("%s: the program with the layouts left free gives the same plan",
+                     self.__name__)
+            return result
+        compiled, seconds = compile_(plan), estimate(plan)
+        trial = FitTrial(int(plan.predicted_peak_bytes), int(plan.predicted_peak_bytes),
+                         compiled, float(plan.predicted_step_seconds),
+                         compiled_step_seconds=seconds, layouts=True)
+        faster = compiled <= record.budget_bytes and seconds < estimate(result.plan)
+        log.info("%s: the program with the layouts left free, no memory limit: compiled %d B, "
+                 "estimated %.4f ms against the search's %.4f ms: %s", self.__name__, compiled,
+                 seconds * 1e3, estimate(result.plan) * 1e3,
+                 "it runs" if faster else "the search's plan runs")
+        record = dataclasses.replace(record, trials=(*record.trials, trial),
+                                     solves=record.solves + 1)
+        if not faster:
+            return FitResult(result.plan, record)
+        return FitResult(plan, dataclasses.replace(record, chosen=len(record.trials) - 1,
+                                                   stop=FitStop.LAYOUTS))
 
     def _warn_over_budget(self, plan: Plan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
@@ -883,6 +930,11 @@ class OptimizedStep:
                 text = (f"kiwi's plan is the whole-block recomputation ({self.plan.solver}: "
                         f"each layer keeps its input and recomputes the rest): no plan of the "
                         f"budget search fit the budget, this one does\n{text}")
+            elif self.plan.fit is not None and self.plan.fit.stop == FitStop.LAYOUTS:
+                text = ("kiwi's plan is the fastest with no memory limit of its program with "
+                        "the update's and the weight gradients' layouts left to the solver: "
+                        "memory does not bind, and it compiles to a faster step than the "
+                        f"search's plan\n{text}")
             elif held:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
