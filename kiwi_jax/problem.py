@@ -249,11 +249,12 @@ def with_free_layouts(build: ProblemBuild) -> ProblemBuild:
     """``build`` with its problem merged again by the rule that leaves the layouts free
     (:func:`kiwi_jax.merge.merge_followers` with ``pieces``): the same nodes, costs, memory
     and ties, with more strategy variables. With no memory limit, the zoo ViT at dim 768
-    (docs/benchmarks.md, "The program with the layouts left free, where memory does not
-    bind"): its plan compiles to an estimated 7.005 ms on 2x4 and 6.973 ms on 1x8, where
+    (docs/recipes.md, "Where memory does not bind, the program with the layouts left
+    free"): its plan compiles to an estimated 7.005 ms on 2x4 and 6.973 ms on 1x8, where
     the default program's plans compile to 7.076 and 7.047 ms and the fastest recipe to
-    6.996 ms; the reference GPT at hidden 1024 on 1x8: 22.11 ms against 21.78 ms. Under a
-    memory limit it solves up to 2.7x slower."""
+    6.996 ms; the reference GPT at hidden 1024 on 1x8: 21.918 ms against 21.856 ms
+    (docs/cost_model.md, "Update chains in their operand's spec"). Under a memory limit it
+    solves up to 2.7x slower."""
     pieces = tuple(np.array([shard_count(s.out, build.mesh) for s in options])
                    for options in build.strategies)
     free = merge_followers(dataclasses.replace(build.problem, leader=None, follow=None), pieces)
