@@ -27,6 +27,7 @@ Each row also carries the terms that separate the two, measured on that plan:
 Usage: python -m experiments.cost_agreement [--json] [--quick] [--model gpt] [--layers 2]
        [--hidden 256] [--heads 4] [--seq 128] [--batch 16] [--vocab 2048] [--mesh 2x4]
        [--budgets 1.0 0.9 0.8 0.7] [--methods alpa alpa+dots alpa+megatron kiwi]
+       [--fusion compiled|rules]
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def sweep(compiler: PlanCompiler, methods, budgets, time_limit: float,
           reuse_layers: bool, charge_stored: bool = False) -> tuple[list[dict], int]:
     """One row per (budget, method): the plan's figures and, when one was found, what it
     compiled to; equal plans are compiled once. Returns the rows and the reference peak.
-    ``charge_stored``: on one device, first compile the reference plan and charge what it
-    stores, as the decorator does for a percentage (:func:`kiwi_jax.problem.with_stored`)."""
+    ``charge_stored``: first compile the reference plan, as the decorator does for a percentage
+    (:meth:`experiments.common.PlanCompiler.charge_stored`)."""
     if charge_stored:
         compiler.charge_stored(time_limit=time_limit)
     reference = solvers.reference_plan(compiler.build.problem, time_limit=time_limit)
@@ -242,6 +243,11 @@ def main(argv=None) -> dict:
                         help="fractions of the reference plan's peak")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    parser.add_argument("--fusion", choices=("compiled", "rules"), default="compiled",
+                        help="compile the reference plan first, as the decorator does for a "
+                             "percentage: on a mesh `auto` chooses its memory model against that "
+                             "compile, on one device the values it stores are charged; or plan "
+                             "with the per-operator model's rules alone")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -256,10 +262,12 @@ def main(argv=None) -> dict:
     print(f"{model} {layers} layers {config} on {mesh}:", file=sys.stderr, flush=True)
     compiler = PlanCompiler(model, layers, mesh, args.cluster, **config)
     rows, reference_peak = sweep(compiler, methods, budgets, args.time_limit,
-                                 reuse_layers=model in TIED_MODELS)
+                                 reuse_layers=model in TIED_MODELS,
+                                 charge_stored=args.fusion == "compiled")
     result = {"study": "cost_agreement", "quick": args.quick, "model": model, "layers": layers,
               "mesh": mesh, "cluster": args.cluster, **config, "methods": list(methods),
-              "budgets": list(budgets), "time_limit": args.time_limit,
+              "budgets": list(budgets), "time_limit": args.time_limit, "fusion": args.fusion,
+              "memory_model": compiler.build.memory_model,
               "reference_peak_bytes": reference_peak, "tolerance": TOLERANCE,
               "agreement": agreement(rows), "rows": rows,
               "wall_seconds": round(time.perf_counter() - start, 1)}
