@@ -24,18 +24,13 @@ from collections.abc import Iterable
 from kiwi_jax.compile import CompiledPlan
 from kiwi_jax.recipes import BlockPolicyError, Recipe, all_recipes, compile_recipe
 
-__all__ = ["KIWI", "CHECKPOINTED", "RecipeRow", "Choice", "parse_recipes", "compile_recipes", "choose",
+__all__ = ["KIWI", "RecipeRow", "Choice", "parse_recipes", "compile_recipes", "choose",
            "fastest_fitting"]
 
 log = logging.getLogger(__name__)
 
 KIWI = "kiwi"
 """The winner's name when kiwi's plan runs."""
-
-CHECKPOINTED = f"{KIWI}/checkpoint"
-"""The row, and the winner's name, of kiwi's plan run as its export (each block under its
-layer's ``jax.checkpoint`` policy, :mod:`kiwi_jax.export`): the same plan in another program,
-compiled and measured like a recipe."""
 
 
 def parse_recipes(recipes) -> tuple[Recipe, ...]:
@@ -152,9 +147,7 @@ class Choice:
         counted = f"{fitting} of {len(self.recipes)} recipes fit"
         best = self.best
         if self.runs_recipe:
-            what = (f"kiwi's plan as per-block jax.checkpoint policies ({best.name})"
-                    if best.name == CHECKPOINTED else f"recipe {best.name}")
-            return (f"{what} runs: est. {_ms(best.step_seconds)} at "
+            return (f"recipe {best.name} runs: est. {_ms(best.step_seconds)} at "
                     f"{_mib(best.compiled_bytes)}{self._kiwi()} ({budget}; {counted})")
         if self.kiwi_bytes is None:
             return (f"nothing runs: kiwi has no plan for the budget and none of the "

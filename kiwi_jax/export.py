@@ -30,8 +30,7 @@ values at the start of its backward pass, where the decorator recomputes each ri
 first reader; and inside the block XLA's sharding propagation decides the layout where the
 decorator constrains every value. The two steps are not the same program, and their compiled
 memory differs (measured in docs/apply.md, "Exporting a plan"). So the decorator compiles this
-one too (:func:`compile_exported`) and lets the compiler choose (:mod:`kiwi_jax.choose`,
-``CHECKPOINTED``).
+one too (:func:`compile_exported`) and lets the compiler choose (:func:`compile_applied`).
 
 References:
   JAX's ``jax.checkpoint`` policies (``save_only_these_names``); MaxText's named remat
@@ -43,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import re
 from typing import Callable
 
@@ -55,6 +55,7 @@ from hlo_tools.liveness import fused_values, held_operands
 from hlo_tools.lower import argument_paths
 from kiwi_jax.apply import TracedStep, recomputed_values
 from kiwi_jax.compile import CompiledPlan, compile_plan, compiler_options, jit_step
+from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of, unit_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
@@ -64,7 +65,9 @@ from kiwi_jax.sharding import to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
 __all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
-           "compile_applied", "leaf_paths"]
+           "compile_applied", "fastest_program", "leaf_paths"]
+
+log = logging.getLogger(__name__)
 
 
 def operation(primitive: str, avals, params: dict) -> str:
@@ -271,9 +274,15 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
                     plan: Plan, mesh, abstract, donate: bool = True, overlap: bool = True,
                     budget_bytes: int | None = None) -> CompiledPlan:
     """kiwi's plan compiled as the decorator runs it: value by value
-    (:func:`kiwi_jax.compile.compile_plan`). When that step is over ``budget_bytes`` (default:
-    the plan's budget), and the other program compiles smaller, it runs instead
-    (``CompiledPlan.program`` says which runs): on a mesh, the plan with the backward pass
+    (:func:`kiwi_jax.compile.compile_plan`), or another program of the same plan
+    (``CompiledPlan.program`` says which runs).
+
+    On a mesh, of the programs compiled, the one estimated fastest among those within
+    ``budget_bytes`` (default: the plan's budget) runs, else the smallest
+    (:func:`fastest_program`). They are the plan value by value; its export
+    (:func:`compile_exported`) where it recomputes and its layers are block modules, with the
+    layout inside a block left to XLA's propagation; and, when value by value is over the budget, the plan with
+    the backward pass
     resharding the step's arguments and the forward pass's values again for each reader
     (``regather``, as the plan prices them; XLA otherwise merges such a copy with the forward
     pass's and holds it in between) and each gradient tied into the backward pass where it is
@@ -285,8 +294,13 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     GPT at hidden 1024, planned for 419,200,612 B on 2x4 (predicted 407,756,300 B), compiled
     to 510,831,892 B value by value, 447,864,916 B resharding again, 527,623,700 B with the
     gradients tied in, and 412,195,156 B with both, its estimated step 3.7% slower
-    (24.06 -> 24.96 ms). On one device, when a block of the plan recomputes, its export
-    (:func:`compile_exported`) is the other program.
+    (24.06 -> 24.96 ms). The export was the fastest of the three on the zoo ViT (2 blocks, dim
+    768, batch 32, 224x224 images) on 4x2 for the ``fsdp/dots_saveable`` recipe's plan: 7.961
+    ms at 181,900,632 B, against 9.087 ms at 244,091,720 B value by value and 9.151 ms at
+    189,550,104 B regathered; the recipe itself compiles to 7.982 ms at 172,105,496 B.
+
+    On one device, when that step is over the budget and a block of the plan recomputes, its
+    export is the other program, and it runs if it is smaller.
 
     On one device the two programs differ in how recomputation lowers the compiled peak. The
     export recomputes a block's dropped values together at the start of its backward pass, as
@@ -297,9 +311,7 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     value whose operation it cannot tell from a recomputed one, so it is slower where both
     fit (the reference GPT's plan at 100% of its prediction on one device: 3.45 ms estimated
     as its export, 3.03 ms value by value) and on some models larger (the zoo Llama's plan at
-    90%: 2.62 MiB against 2.17 MiB). On a mesh the export leaves the layout inside a block to
-    XLA's propagation; it is compared there with the recipes instead
-    (``kiwi_jax.choose.CHECKPOINTED``).
+    90%: 2.62 MiB against 2.17 MiB).
 
     Args:
       args: the step's arguments (abstract arrays are enough); ``abstract``: its
@@ -307,16 +319,20 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     """
     values = compile_plan(traced, build, plan, mesh, abstract, donate, overlap)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+    if mesh.devices.size != 1:
+        programs = [values]
+        if values.memory.peak_bytes > budget:
+            # a plan that hides recomputations under collectives (Lynx) needs them to run
+            # beside the backward pass, which a gradient tied into it waits for
+            settle = not (overlap and plan.hidden_under)
+            programs.append(dataclasses.replace(
+                compile_plan(traced, build, plan, mesh, abstract, donate, overlap,
+                             regather=True, settle=settle), program="regathered"))
+        if plan.recomputed:
+            programs += _blocks_on_mesh(train_step, args, traced, build, plan, mesh, donate)
+        return fastest_program(programs, budget, mesh, build.cluster)
     if values.memory.peak_bytes <= budget:
         return values
-    if mesh.devices.size != 1:
-        # a plan that hides recomputations under collectives (Lynx) needs them to run
-        # beside the backward pass, which a gradient tied into it waits for
-        settle = not (overlap and plan.hidden_under)
-        again = dataclasses.replace(compile_plan(traced, build, plan, mesh, abstract, donate,
-                                                 overlap, regather=True, settle=settle),
-                                    program="regathered")
-        return again if again.memory.peak_bytes < values.memory.peak_bytes else values
     if not plan.recomputed:
         return values
     export = export_plan(traced, build, plan, mesh)
@@ -327,6 +343,41 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     except BlockPolicyError:
         return values
     return blocks if blocks.memory.peak_bytes < values.memory.peak_bytes else values
+
+
+def _blocks_on_mesh(train_step, args: tuple, traced: TracedStep, build: ProblemBuild,
+                    plan: Plan, mesh, donate: bool) -> list[CompiledPlan]:
+    """The plan as its export (:func:`compile_exported`), in a list, where its layers are block
+    modules; an empty list where they are not, or where the export does not compile (a
+    warning says why: the plan's own program stands)."""
+    export = export_plan(traced, build, plan, mesh)
+    if not any(layer.block for layer in export.layers):
+        return []
+    try:
+        return [compile_exported(train_step, args, mesh, export, donate)]
+    except BlockPolicyError:
+        return []
+    except Exception as error:  # noqa: BLE001 - an optional program: the plan's own stands
+        log.warning("kiwi's plan as its export did not compile, so it is not compared: %s: %s",
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return []
+
+
+def fastest_program(programs: list[CompiledPlan], budget: int, mesh, cluster) -> CompiledPlan:
+    """Of ``programs`` (compiled steps of one plan), the one the compiled-cost estimate
+    (:func:`kiwi_jax.estimate.compiled_cost`) puts fastest among those within ``budget``; the
+    smallest where none is; the earlier one at a tie."""
+    fitting = [p for p in programs if p.memory.peak_bytes <= budget]
+    if not fitting:
+        return min(programs, key=lambda p: p.memory.peak_bytes)
+    if len(fitting) == 1:
+        return fitting[0]
+    seconds = [compiled_cost(p.compiled, mesh, cluster).step_seconds for p in fitting]
+    best = min(range(len(fitting)), key=lambda k: seconds[k])
+    log.info("the plan's programs within the budget: %s; %s runs", ", ".join(
+        f"{p.program} {s * 1e3:.4f} ms at {p.memory.peak_bytes:,} B"
+        for p, s in zip(fitting, seconds)), fitting[best].program)
+    return fitting[best]
 
 
 def _constraint(mesh, spec):

@@ -53,12 +53,12 @@ from hlo_tools.graph import Phase
 from kiwi_jax.apply import (TracedStep, carried_pairs, check_order, in_program_order,
                             trace_for_planning)
 from kiwi_jax.cache import PlanCache, default_cache_dir
-from kiwi_jax.choose import (CHECKPOINTED, KIWI, Choice, RecipeRow, choose, compile_recipes,
+from kiwi_jax.choose import (KIWI, Choice, RecipeRow, choose, compile_recipes,
                              fastest_fitting, parse_recipes)
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, compile_applied, compile_exported, export_plan
+from kiwi_jax.export import PlanExport, compile_applied, export_plan
 from kiwi_jax.fit import (FIT_COMPILES, FitRecord, FitResult, FitStop, FitTrial, NoPlanInTime,
                           fit_budget)
 from kiwi_jax.multihost import Exchange, exchange, place
@@ -67,7 +67,6 @@ from kiwi_jax.plan import (Plan, budget_fraction, plan_from_solution, reference_
 from kiwi_jax.problem import (ProblemBuild, build_problem, check_memory_model, chooses_memory_model,
                               of_memory_model, with_compiled_reference, with_free_layouts)
 from kiwi_jax.recipe_plan import best_recipe_start
-from kiwi_jax.recipe_remat import BlockPolicyError
 from kiwi_jax.step import PureStep, abstract_arrays, functionalize, step_arguments
 from kiwi_jax.verify import VerifyReport, verify_prepared
 from solvers.options import DEFAULTS as SOLVER_DEFAULTS, SolverOptions
@@ -361,15 +360,13 @@ class OptimizedStep:
                 budget: int,
                 infeasible: solvers.InfeasibleBudgetError | solvers.SolverTimeoutError | None
                 ) -> tuple[Choice, CompiledPlan | None]:
-        """The recipes, and kiwi's plan run as its export (:data:`CHECKPOINTED`), compiled for
-        the step and set against kiwi's compiled plan (:func:`kiwi_jax.choose.choose`, priced
-        with the problem's cluster); the winner's compiled step, or None when kiwi's plan runs
-        (or nothing fits). ``infeasible``: why kiwi has no plan (no plan under the budget, or
-        none found in the time limit), when it has none."""
+        """The recipes, compiled for the step and set against kiwi's compiled plan
+        (:func:`kiwi_jax.choose.choose`, priced with the problem's cluster); the winner's
+        compiled step, or None when kiwi's plan runs (or nothing fits). ``infeasible``: why
+        kiwi has no plan (no plan under the budget, or none found in the time limit), when it
+        has none."""
         rows, steps, seconds = recipe_steps.compiled(budget)
         start = time.perf_counter()
-        if plan is not None:
-            rows, steps = self._checkpointed(abstract, traced, build, plan, rows, steps)
         kiwi_bytes = kiwi_seconds = None
         if applied is not None:
             kiwi_bytes = applied.memory.peak_bytes
@@ -384,36 +381,6 @@ class OptimizedStep:
             log.info("%s: %s; %d recipes compiled in %.1f s", self.__name__, choice.describe(),
                      len(rows), choice.compile_seconds)
         return choice, steps.get(choice.winner) if choice.winner != KIWI else None
-
-    def _checkpointed(self, abstract: PureStep, traced: TracedStep, build: ProblemBuild,
-                      plan: Plan, rows: tuple, steps: dict) -> tuple[tuple, dict]:
-        """``rows`` and ``steps`` (:func:`kiwi_jax.choose.compile_recipes`'s) with kiwi's plan
-        run as its export, a jax.checkpoint policy per block (:data:`CHECKPOINTED`), for
-        :func:`kiwi_jax.choose.choose` to weigh with the recipes. It is not the decorator's
-        program on a mesh, where XLA's propagation lays out what the decorator constrains, and
-        it was faster on some zoo models (docs/apply.md, "Exporting a plan"). Unchanged when
-        the plan's layers are not block modules, and on one device, where kiwi's plan runs as
-        its export already where that is the one that fits (:meth:`_apply`)."""
-        options = self.options
-        if options.mesh.devices.size == 1:
-            return rows, steps
-        export = export_plan(traced, build, plan, options.mesh)
-        if not any(layer.block for layer in export.layers):
-            return rows, steps
-        start = time.perf_counter()
-        try:
-            compiled = compile_exported(self.train_step, step_arguments(abstract), options.mesh,
-                                        export, options.donate)
-        except Exception as error:  # noqa: BLE001 - an optional row: kiwi's own step stands
-            if not isinstance(error, BlockPolicyError):
-                log.warning("%s: kiwi's plan as its export (%s) did not compile, so it is not "
-                            "compared: %s: %s", self.__name__, CHECKPOINTED,
-                            type(error).__name__, str(error).splitlines()[0] if str(error)
-                            else "")
-            return (*rows, RecipeRow(CHECKPOINTED, None, None, str(error))), steps
-        row = RecipeRow(CHECKPOINTED, compiled.memory.peak_bytes, self._estimate(compiled, build),
-                        compile_seconds=time.perf_counter() - start)
-        return (*rows, row), {**steps, CHECKPOINTED: compiled}
 
     def _planned(self, traced, build, abstract, start, recipes=(), recipe_steps=None):
         """This process's plan (cached, or solved and fitted to the compiler's memory), applied;
@@ -939,9 +906,7 @@ class OptimizedStep:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
                         f"so {self.options.solver!r} solved nothing\n{text}")
-            as_blocks = (prepared.choice is not None and prepared.choice.winner == CHECKPOINTED
-                         or not prepared.runs_recipe and prepared.applied.program == "blocks")
-            if as_blocks:
+            if not prepared.runs_recipe and prepared.applied.program == "blocks":
                 text = (f"kiwi's plan, run as its export (each block under its layer's "
                         f"jax.checkpoint policy):\n{self.export().table()}\n{text}")
             elif prepared.runs_recipe:

@@ -28,7 +28,6 @@ from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at
                                 placements)
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import carried_pairs
-from kiwi_jax.choose import CHECKPOINTED
 from kiwi_jax.compile import Prepared, compiler_options
 from kiwi_jax.estimate import CompiledCost, compiled_cost
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
@@ -309,10 +308,7 @@ class VerifyReport:
     def _recipe_table(self) -> str:
         """A recipe's step: compiled figures only (a recipe has no prediction)."""
         m, cost = self.compiled_memory, self.compiled_cost
-        what = (f"kiwi's plan as its export ({self.runs}; compiled figures only: the plan's "
-                "prediction is of the decorator's program)" if self.runs == CHECKPOINTED
-                else f"recipe {self.runs}'s (compiled; a recipe has no prediction to compare "
-                "with)")
+        what = f"recipe {self.runs}'s (compiled; a recipe has no prediction to compare with)"
         lines = [f"the step that runs is {what}",
                  f"{'peak memory':28s} {self.compiled_peak_bytes / 2**20:10.3f} MiB   (budget "
                  f"{self.budget_bytes / 2**20:.3f} MiB, "
@@ -501,7 +497,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     Args:
       explain_memory: attribute the memory at both peaks to operators (one more compile with
         XLA's dumps on); None: only when it is off by more than the tolerance. Not for a
-        plan run as its export (``CompiledPlan.program == "blocks"``, one device): its
+        plan run as its export (``CompiledPlan.program == "blocks"``): its
         instructions carry no equation tags to attribute by.
 
     A recipe's step that runs instead of kiwi's plan is checked by :func:`verify_recipe`
