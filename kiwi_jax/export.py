@@ -278,7 +278,7 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     (``CompiledPlan.program`` says which runs).
 
     On a mesh, of the programs compiled, the one estimated fastest among those within
-    ``budget_bytes`` (default: the plan's budget) runs, else the smallest
+    ``budget_bytes`` (default: the plan's budget) runs, else the smallest of the plan's own
     (:func:`fastest_program`). They are the plan value by value; its export
     (:func:`compile_exported`) where it recomputes and its layers are block modules, with the
     layout inside a block left to XLA's propagation; and, when value by value is over the budget, the plan with
@@ -366,10 +366,17 @@ def _blocks_on_mesh(train_step, args: tuple, traced: TracedStep, build: ProblemB
 def fastest_program(programs: list[CompiledPlan], budget: int, mesh, cluster) -> CompiledPlan:
     """Of ``programs`` (compiled steps of one plan), the one the compiled-cost estimate
     (:func:`kiwi_jax.estimate.compiled_cost`) puts fastest among those within ``budget``; the
-    smallest where none is; the earlier one at a tie."""
+    earlier one at a tie. Where none is within it, the smallest of the plan's own programs
+    (value by value, regathered), never the export: the budget search steers by the compiled
+    memory of the plans it solves, and the export's does not follow them (only the blocks'
+    boundaries and policies reach it: two whole-block plans of the zoo ViT on 4x2, solved
+    under 409 and 280 MB, both compiled to 233,869,280 B as their exports, and the search
+    that steered by that found no plan under a 172,105,496 B budget, where steering by the
+    plans' own programs finds one at 0.983 of it)."""
     fitting = [p for p in programs if p.memory.peak_bytes <= budget]
     if not fitting:
-        return min(programs, key=lambda p: p.memory.peak_bytes)
+        own = [p for p in programs if p.program != "blocks"] or programs
+        return min(own, key=lambda p: p.memory.peak_bytes)
     if len(fitting) == 1:
         return fitting[0]
     seconds = [compiled_cost(p.compiled, mesh, cluster).step_seconds for p in fitting]

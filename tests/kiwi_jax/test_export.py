@@ -15,7 +15,8 @@ import kiwi_jax
 from experiments import zoo
 from hlo_tools.compiled import device_memory
 from kiwi_jax.compile import compile_plan, compiler_options
-from kiwi_jax.export import LayerPolicy, PlanExport, compile_exported, operation
+from kiwi_jax.export import (LayerPolicy, PlanExport, compile_exported, fastest_program,
+                             operation)
 from kiwi_jax.fit import FitStop
 from kiwi_jax.recipes import compile_recipe
 from tests.kiwi_jax import named_model
@@ -208,3 +209,21 @@ def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_searc
     assert plan.fit.trials[plan.fit.chosen].compiled_step_seconds > 0
     assert plan.fit.fits and applied.memory.peak_bytes <= budget
     assert "whole-block recomputation" in optimized.explain()
+
+
+def _program(name, peak_bytes):
+    return types.SimpleNamespace(program=name, memory=types.SimpleNamespace(peak_bytes=peak_bytes))
+
+
+@pytest.mark.parametrize("programs, runs", [
+    # over the budget: the plan's own smallest program, never the export, whose memory does
+    # not follow the solver budget the search steers by
+    ([("values", 130), ("regathered", 120), ("blocks", 110)], "regathered"),
+    ([("values", 130), ("blocks", 110)], "values"),
+    # the one program within the budget runs, whichever it is
+    ([("values", 130), ("regathered", 120), ("blocks", 90)], "blocks"),
+    ([("values", 95)], "values"),
+])
+def test_of_a_plans_programs_the_search_sees_its_own_where_none_fits(programs, runs):
+    chosen = fastest_program([_program(*p) for p in programs], 100, mesh=None, cluster=None)
+    assert chosen.program == runs
