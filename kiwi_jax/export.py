@@ -374,11 +374,14 @@ def fastest_program(programs: list[CompiledPlan], budget: int, mesh, cluster) ->
     that steered by that found no plan under a 172,105,496 B budget, where steering by the
     plans' own programs finds one at 0.983 of it)."""
     fitting = [p for p in programs if p.memory.peak_bytes <= budget]
-    if not fitting:
+    if len(fitting) <= 1:
         own = [p for p in programs if p.program != "blocks"] or programs
-        return min(own, key=lambda p: p.memory.peak_bytes)
-    if len(fitting) == 1:
-        return fitting[0]
+        chosen = fitting[0] if fitting else min(own, key=lambda p: p.memory.peak_bytes)
+        if len(programs) > 1:
+            log.info("the plan's programs: %s; budget %s B; %s runs", ", ".join(
+                f"{p.program} at {p.memory.peak_bytes:,} B" for p in programs),
+                f"{budget:,}", chosen.program)
+        return chosen
     seconds = [compiled_cost(p.compiled, mesh, cluster).step_seconds for p in fitting]
     best = min(range(len(fitting)), key=lambda k: seconds[k])
     log.info("the plan's programs within the budget: %s; %s runs", ", ".join(
