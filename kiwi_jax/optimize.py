@@ -58,7 +58,7 @@ from kiwi_jax.choose import (KIWI, Choice, RecipeRow, choose, compile_recipes,
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, compile_applied, export_plan
+from kiwi_jax.export import PlanExport, compile_applied, export_plan, with_export
 from kiwi_jax.fit import (FIT_COMPILES, FitRecord, FitResult, FitStop, FitTrial, NoPlanInTime,
                           fit_budget)
 from kiwi_jax.multihost import Exchange, exchange, place
@@ -419,13 +419,15 @@ class OptimizedStep:
         return plan
 
     def _apply(self, traced: TracedStep, build: ProblemBuild, plan: Plan,
-               abstract: PureStep, budget: int | None = None) -> CompiledPlan:
-        """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: the other
-        program when value by value is over ``budget``, the user's budget, and the other is
-        smaller; default: the plan's, which after the budget search is the user's)."""
+               abstract: PureStep, budget: int | None = None,
+               blocks: bool = True) -> CompiledPlan:
+        """The plan applied and compiled (:func:`kiwi_jax.export.compile_applied`: the program
+        of the plan that runs within ``budget``, the user's budget; default: the plan's, which
+        after the budget search is the user's; ``blocks``: the export among them on a mesh)."""
         options = self.options
         return compile_applied(self.train_step, step_arguments(abstract), traced, build, plan,
-                               options.mesh, abstract, options.donate, options.overlap, budget)
+                               options.mesh, abstract, options.donate, options.overlap, budget,
+                               blocks)
 
     def _fit(self, traced, build, first: Plan | None,
              infeasible: solvers.InfeasibleBudgetError | None, abstract,
@@ -465,8 +467,15 @@ class OptimizedStep:
 
         def compile_(plan: Plan) -> int:
             if plan.fingerprint not in applied:   # the user's budget, not its solver budget
-                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget)
+                applied[plan.fingerprint] = self._apply(traced, build, plan, abstract, budget,
+                                                        blocks=False)
             return applied[plan.fingerprint].memory.peak_bytes
+
+        def settled(plan: Plan) -> CompiledPlan:
+            """The plan the search settles on, compiled, with its export weighed on a mesh
+            (left out of the trials: :func:`kiwi_jax.export.compile_applied`)."""
+            return with_export(self.train_step, step_arguments(abstract), traced, build, plan,
+                               options.mesh, applied[plan.fingerprint], budget, options.donate)
 
         estimates: dict[str, float] = {}               # by plan fingerprint
 
@@ -509,7 +518,7 @@ class OptimizedStep:
             whole = self._whole_blocks(build, budget, record, compile_, estimate)
             if whole is not None and (not record.fits
                                       or estimate(whole) < estimate(result.plan)):
-                return whole, applied[whole.fingerprint]
+                return whole, settled(whole)
         if result.plan is None or (not record.fits and infeasible is not None):
             if not applied:                     # nothing compiled: the model's error stands
                 raise infeasible
@@ -532,7 +541,7 @@ class OptimizedStep:
         plan = dataclasses.replace(
             result.plan, budget_bytes=budget, fit=record,
             solver_budget_bytes=None if solver_budget == budget else solver_budget)
-        return plan, applied[result.plan.fingerprint]
+        return plan, settled(result.plan)
 
     def _estimate(self, applied: CompiledPlan, build: ProblemBuild) -> float:
         """The compiled-cost estimate of a compiled step's time (:mod:`kiwi_jax.estimate`)."""
