@@ -317,10 +317,15 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
       args: the step's arguments (abstract arrays are enough); ``abstract``: its
         functionalized form (:class:`kiwi_jax.step.PureStep`).
       blocks: on a mesh, compile the export too (:func:`with_export`). The decorator's budget
-        search leaves it out of its trials and compiles it for the plan it settles on: in
+        search leaves it out of its trials and compiles it for the plan it settles on. In
         the trials logged on the zoo ViT on 4x2 (dim 768) and the zoo Llama on 2x4 (the
         suite's size) the export never ran (over the budget where the plan's own programs
-        were, or within it and slower), and it cost a compile each, 3-14 s.
+        were, or within it and slower), and it cost a compile each, 3-14 s. And its memory
+        does not follow the solver budget the search steers by (only the blocks' boundaries
+        and policies reach it): two whole-block plans of that ViT, solved under 409 and 280
+        MB, both compiled to 233,869,280 B as their exports, and the search that steered by
+        them (the smallest program of each trial) found no plan under a 172,105,496 B budget,
+        where steering by the plans' own programs finds one at 0.983 of it.
     """
     values = compile_plan(traced, build, plan, mesh, abstract, donate, overlap)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
@@ -380,17 +385,10 @@ def with_export(train_step, args: tuple, traced: TracedStep, build: ProblemBuild
 def fastest_program(programs: list[CompiledPlan], budget: int, mesh, cluster) -> CompiledPlan:
     """Of ``programs`` (compiled steps of one plan), the one the compiled-cost estimate
     (:func:`kiwi_jax.estimate.compiled_cost`) puts fastest among those within ``budget``; the
-    earlier one at a tie. Where none is within it, the smallest of the plan's own programs
-    (value by value, regathered), never the export: the budget search steers by the compiled
-    memory of the plans it solves, and the export's does not follow them (only the blocks'
-    boundaries and policies reach it: two whole-block plans of the zoo ViT on 4x2, solved
-    under 409 and 280 MB, both compiled to 233,869,280 B as their exports, and the search
-    that steered by that found no plan under a 172,105,496 B budget, where steering by the
-    plans' own programs finds one at 0.983 of it)."""
+    earlier one at a tie; the smallest where none is within it."""
     fitting = [p for p in programs if p.memory.peak_bytes <= budget]
     if len(fitting) <= 1:
-        own = [p for p in programs if p.program != "blocks"] or programs
-        chosen = fitting[0] if fitting else min(own, key=lambda p: p.memory.peak_bytes)
+        chosen = fitting[0] if fitting else min(programs, key=lambda p: p.memory.peak_bytes)
         if len(programs) > 1:
             log.info("the plan's programs: %s; budget %s B; %s runs", ", ".join(
                 f"{p.program} at {p.memory.peak_bytes:,} B" for p in programs),

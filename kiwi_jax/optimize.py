@@ -344,8 +344,9 @@ class OptimizedStep:
                                               recipe_steps, budget, infeasible)
                 if applied is None and recipe is None:
                     raise infeasible
-            if not cached and recipe is None and plan.fit is not None and not plan.fit.fits:
-                self._warn_over_budget(plan)
+            if not cached and recipe is None and plan.fit is not None \
+                    and applied.memory.peak_bytes > plan.budget_bytes:
+                self._warn_over_budget(plan, applied)
             if processes is not None and options.share_plan:
                 processes.publish_plan(plan.to_json())
         log.info("%s: planned in %.1f s (%s), compiled (the budget searched) in %.1f s",
@@ -662,17 +663,18 @@ class OptimizedStep:
         return FitResult(plan, dataclasses.replace(record, chosen=len(record.trials) - 1,
                                                    stop=FitStop.LAYOUTS))
 
-    def _warn_over_budget(self, plan: Plan) -> None:
+    def _warn_over_budget(self, plan: Plan, applied: CompiledPlan) -> None:
         """Warn that kiwi's plan runs over the budget: no plan the budget search compiled fit
-        it (and no recipe that fits was compared)."""
+        it, nor its export (and no recipe that fits was compared)."""
         record = plan.fit
         more = {FitStop.COMPILES: " or fit_compiles", FitStop.SOLVES: " or fit_compiles",
                 FitStop.TIME: " or time_limit"}.get(record.stop, "")
+        how = " as its export (per-block jax.checkpoint)" if applied.program == "blocks" else ""
         warnings.warn(
-            f"{self.__name__}: the compiled step needs {record.compiled_peak_bytes:,} B per "
+            f"{self.__name__}: the compiled step needs {applied.memory.peak_bytes:,} B per "
             f"device, over the {plan.budget_bytes:,} B budget; the search of the solver's "
             f"budget ({record.describe()}) found no plan that fits; running the one that "
-            f"compiled smallest (raise the budget{more} to fit)", stacklevel=5)
+            f"compiled smallest{how} (raise the budget{more} to fit)", stacklevel=5)
 
     def _unlimited(self, build: ProblemBuild, budget: int) -> Plan:
         """The solver's plan with no memory limit, solved with the same options (with

@@ -496,9 +496,9 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
 
     Args:
       explain_memory: attribute the memory at both peaks to operators (one more compile with
-        XLA's dumps on); None: only when it is off by more than the tolerance. Not for a
-        plan run as its export (``CompiledPlan.program == "blocks"``): its
-        instructions carry no equation tags to attribute by.
+        XLA's dumps on); None: only when it is off by more than the tolerance. Neither the
+        memory nor the collectives are attributed for a plan run as its export
+        (``CompiledPlan.program == "blocks"``): its instructions carry no equation tags.
 
     A recipe's step that runs instead of kiwi's plan is checked by :func:`verify_recipe`
     (``explain_memory`` does not apply: there is no prediction to attribute against).
@@ -510,12 +510,19 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
     found = collectives(compiled.as_text(), ids)
     attributed = attributed_comms(prepared.build, prepared.plan.strategy, prepared.plan.keep)
     carried = carried_comms(prepared)
-    # Per operator: a second compile without the combiners that merge collectives of several
-    # operators into one instruction (totals come from the executable that runs).
-    options = dict(compiler_options())
-    options["xla_disable_hlo_passes"] = ",".join(
-        filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
-    separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(compiler_options=options)
+    # a plan run as its export: its instructions carry no equation tags to attribute by
+    tagged = prepared.applied.program != "blocks"
+    disagreements = ()
+    if tagged:
+        # Per operator: a second compile without the combiners that merge collectives of
+        # several operators into one instruction (totals come from the executable that runs).
+        options = dict(compiler_options())
+        options["xla_disable_hlo_passes"] = ",".join(
+            filter(None, [options.get("xla_disable_hlo_passes"), *UNCOMBINED]))
+        separate = prepared.jitted.lower(*prepared.traced.pure.args).compile(
+            compiler_options=options)
+        disagreements = _operator_disagreements(prepared, attributed, carried,
+                                                collectives(separate.as_text(), ids))
     numerics = _numerics(prepared, pure, steps, mesh)
     report = VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
@@ -523,13 +530,11 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         compiled_memory=device_memory(compiled),
         predicted_collectives=by_kind([c for _, c in attributed] + carried),
         compiled_collectives=by_kind(found),
-        disagreements=_operator_disagreements(prepared, attributed, carried,
-                                              collectives(separate.as_text(), ids)),
+        disagreements=disagreements,
         predicted_step_seconds=prepared.plan.predicted_step_seconds,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
         numerics=numerics)
-    tagged = prepared.applied.program != "blocks"
     if tagged and (explain_memory
                    or (explain_memory is None and abs(report.memory_error) > TOLERANCE)):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),
