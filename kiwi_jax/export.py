@@ -278,12 +278,11 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     (``CompiledPlan.program`` says which runs).
 
     On a mesh, of the programs compiled, the one estimated fastest among those within
-    ``budget_bytes`` (default: the plan's budget) runs, else the smallest of the plan's own
-    (:func:`fastest_program`). They are the plan value by value; its export
-    (:func:`compile_exported`) where it recomputes and its layers are block modules, with the
-    layout inside a block left to XLA's propagation; and, when value by value is over the budget, the plan with
-    the backward pass
-    resharding the step's arguments and the forward pass's values again for each reader
+    ``budget_bytes`` (default: the plan's budget) runs, else the smallest
+    (:func:`fastest_program`). They are the plan value by value; with ``blocks``, its export
+    (:func:`with_export`) where a block of it recomputes, with the layout inside a block left
+    to XLA's propagation; and, when value by value is over the budget, the plan with the
+    backward pass resharding the step's arguments and the forward pass's values again for each reader
     (``regather``, as the plan prices them; XLA otherwise merges such a copy with the forward
     pass's and holds it in between) and each gradient tied into the backward pass where it is
     made (``settle``, reduced there as the plan prices it; XLA otherwise merges every
@@ -343,16 +342,24 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
                            donate) if blocks else own
     if values.memory.peak_bytes <= budget:
         return values
-    if not plan.recomputed:
-        return values
-    export = export_plan(traced, build, plan, mesh)
-    if not any(layer.block and layer.needs_checkpoint for layer in export.layers):
+    export = _block_export(traced, build, plan, mesh)
+    if export is None:
         return values
     try:
         blocks = compile_exported(train_step, args, mesh, export, donate)
     except BlockPolicyError:
         return values
     return blocks if blocks.memory.peak_bytes < values.memory.peak_bytes else values
+
+
+def _block_export(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> PlanExport | None:
+    """The plan's export (:func:`export_plan`); None where no block of it recomputes anything
+    (there the export is the plan's shardings at the blocks' boundaries only)."""
+    if not plan.recomputed:
+        return None
+    export = export_plan(traced, build, plan, mesh)
+    return export if any(layer.block and layer.needs_checkpoint
+                         for layer in export.layers) else None
 
 
 def with_export(train_step, args: tuple, traced: TracedStep, build: ProblemBuild, plan: Plan,
@@ -366,10 +373,10 @@ def with_export(train_step, args: tuple, traced: TracedStep, build: ProblemBuild
     slower: the zoo Llama (dim 1024) on 4x2 at 768,787,084 B, whose plan recomputes two values
     outside its blocks, 25.009 ms at 769,901,964 B as its export against 23.893 ms at
     692,311,308 B value by value (docs/apply.md)."""
-    if mesh.devices.size == 1 or not plan.recomputed or compiled.program == "blocks":
+    if mesh.devices.size == 1 or compiled.program == "blocks":
         return compiled
-    export = export_plan(traced, build, plan, mesh)
-    if not any(layer.block and layer.needs_checkpoint for layer in export.layers):
+    export = _block_export(traced, build, plan, mesh)
+    if export is None:
         return compiled
     try:
         blocks = compile_exported(train_step, args, mesh, export, donate)
