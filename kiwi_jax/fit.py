@@ -112,10 +112,10 @@ class FitStop(enum.Enum):
     recomputes the rest (on one device, compiled as its export: close to the step
     ``nothing_saveable`` gives)."""
     LAYOUTS = "layouts"
-    """The search's plan fit and was as fast as its plan with no memory limit (memory does not
-    bind), and the plan with no memory limit of the program with the layouts left free fits
-    too, estimated faster (set by the decorator,
-    :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
+    """The search's plan fit, and the plan of the program with the layouts left free fits
+    too, estimated faster: solved with no memory limit where the search's plan was as fast as
+    its plan with none (memory does not bind), else under the search's solver budget (set by
+    the decorator, :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +141,9 @@ class FitTrial:
     """A plan of the whole-block recomputation's search (set by the decorator after the
     search's own trials, :meth:`kiwi_jax.optimize.OptimizedStep._whole_blocks`)."""
     layouts: bool = False
-    """The plan with no memory limit of the program with the layouts left free (set by the
-    decorator after the search's own trials,
+    """The plan of the program with the layouts left free, with no memory limit (its
+    ``solver_budget_bytes`` is then its predicted peak) or under the search's solver budget
+    (set by the decorator after the search's own trials,
     :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
 
     def to_dict(self) -> dict:

@@ -507,10 +507,14 @@ class OptimizedStep:
             beaten=None if recipe_steps is None else beaten,
             seconds=estimate)
         record = result.record
-        if record.fits and record.stop == FitStop.FASTEST and infeasible is None \
-                and record.compiles < options.fit_compiles and options.mesh.devices.size > 1 \
-                and options.solver not in solvers.LYNX_SOLVERS:
-            result = self._free_layouts(build, result, compile_, estimate)
+        if record.fits and infeasible is None and record.compiles < options.fit_compiles \
+                and options.mesh.devices.size > 1 and options.solver not in solvers.LYNX_SOLVERS:
+            if record.stop == FitStop.FASTEST:
+                result = self._free_layouts(build, result, compile_, estimate)
+            elif record.stop in (FitStop.FITS, FitStop.CONVERGED) \
+                    and result.plan.solution.status == solvers.Status.OPTIMAL:
+                result = self._free_layouts(build, result, compile_, estimate,
+                                            under=record.solver_budget_bytes)
             record = result.record
         # not for Lynx, whose plans are the recomputations it hides under collectives, nor
         # where a recipe that fits beat the search (a whole-block plan is slower still)
@@ -623,23 +627,28 @@ class OptimizedStep:
         return dataclasses.replace(result.plan, fit=fit)
 
     def _free_layouts(self, build: ProblemBuild, result: FitResult[Plan],
-                      compile_: Callable[[Plan], int],
-                      estimate: Callable[[Plan], float]) -> FitResult[Plan]:
-        """Where memory does not bind (the search's plan fits and is as fast as its plan with no
-        memory limit): the plan with no memory limit of the program with the layouts left free
-        (:func:`kiwi_jax.problem.with_free_layouts`), compiled, its trial after the search's.
-        It is ``result``'s plan (``FitStop.LAYOUTS``) where it fits and is estimated faster;
-        else ``result`` stands. The merge that makes the program small fixes the update's and
-        the weight gradients' layouts, and the model's price of the replicated update is right
-        on some models and not on others (docs/cost_model.md, "Update chains in their
-        operand's spec"): the compiled step chooses. Under a memory limit that program solves
-        up to 2.7x slower, so it is solved here only with none, and only while the search has
-        a compile of ``fit_compiles`` left."""
+                      compile_: Callable[[Plan], int], estimate: Callable[[Plan], float],
+                      under: int | None = None) -> FitResult[Plan]:
+        """The plan of the program with the layouts left free
+        (:func:`kiwi_jax.problem.with_free_layouts`), compiled, its trial after the search's:
+        with no memory limit where memory does not bind (the search's plan fits and is as fast
+        as its plan with no memory limit); ``under`` the search's solver budget, from the
+        search's plan, where the search stopped at a plan that fits. It is ``result``'s plan
+        (``FitStop.LAYOUTS``) where it fits and is estimated faster; else ``result`` stands.
+        The merge that makes the program small fixes the update's and the weight gradients'
+        layouts, and the model's price of the replicated update is right on some models and
+        not on others (docs/cost_model.md, "Update chains in their operand's spec"): the
+        compiled step chooses. Under a memory limit that program solves up to 2.7x slower, so
+        the caller asks for it there only when the search's plan was proven optimal (where
+        the search's own solves run to their limit, this larger one would too: docs/recipes.md,
+        last section), and only while the search has a compile of ``fit_compiles`` left."""
         options, record = self.options, result.record
         try:
-            solution = solvers.solve(with_free_layouts(build).problem, None,
-                                     solver=options.solver, **options.solver_options())
-        except solvers.SolverTimeoutError as error:
+            solution = solvers.solve(
+                with_free_layouts(build).problem, under, solver=options.solver,
+                warm_start="auto" if under is None else result.plan.solution,
+                search_min_feasible=False, **options.solver_options())
+        except (solvers.SolverTimeoutError, solvers.InfeasibleBudgetError) as error:
             log.info("%s: the program with the layouts left free: %s", self.__name__, error)
             return result
         plan = plan_from_solution(build, solution, record.budget_bytes)
@@ -648,12 +657,14 @@ class OptimizedStep:
                      self.__name__)
             return result
         compiled, seconds = compile_(plan), estimate(plan)
-        trial = FitTrial(int(plan.predicted_peak_bytes), int(plan.predicted_peak_bytes),
+        trial = FitTrial(int(plan.predicted_peak_bytes if under is None else under),
+                         int(plan.predicted_peak_bytes),
                          compiled, float(plan.predicted_step_seconds),
                          compiled_step_seconds=seconds, layouts=True)
         faster = compiled <= record.budget_bytes and seconds < estimate(result.plan)
-        log.info("%s: the program with the layouts left free, no memory limit: compiled %d B, "
-                 "estimated %.4f ms against the search's %.4f ms: %s", self.__name__, compiled,
+        log.info("%s: the program with the layouts left free, %s: compiled %d B, estimated "
+                 "%.4f ms against the search's %.4f ms: %s", self.__name__,
+                 "no memory limit" if under is None else f"solver budget {under:,} B", compiled,
                  seconds * 1e3, estimate(result.plan) * 1e3,
                  "it runs" if faster else "the search's plan runs")
         record = dataclasses.replace(record, trials=(*record.trials, trial),
@@ -909,10 +920,11 @@ class OptimizedStep:
                         f"each layer keeps its input and recomputes the rest): no plan of the "
                         f"budget search fit the budget, this one does\n{text}")
             elif self.plan.fit is not None and self.plan.fit.stop == FitStop.LAYOUTS:
-                text = ("kiwi's plan is the fastest with no memory limit of its program with "
-                        "the update's and the weight gradients' layouts left to the solver: "
-                        "memory does not bind, and it compiles to a faster step than the "
-                        f"search's plan\n{text}")
+                text = ("kiwi's plan was solved again on its program with the update's and "
+                        "the weight gradients' layouts left to the solver (with no memory "
+                        "limit where memory does not bind, else under the search's solver "
+                        "budget), and it compiles to a faster step than the search's plan"
+                        f"\n{text}")
             elif held:
                 text = (f"kiwi's plan is the reference plan ({self.plan.solver}'s fastest with "
                         f"no memory limit, no recomputation): it compiles within the budget, "
