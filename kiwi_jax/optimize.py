@@ -148,7 +148,7 @@ class Options:
     """Several processes: seconds a process waits for another's plan fingerprint, and for
     process 0's plan beyond process 0's worst-case solving time (``(fit_compiles + 5) *
     time_limit``: the reference plan, the first solve, the search's ``fit_compiles + 2``
-    solves and the plan with no memory limit); past it the step raises naming the process
+    solves and the plan of the program with the layouts left free); past it the step raises naming the process
     that did not answer."""
     recipes: object = True
     """The compiler chooses (:mod:`kiwi_jax.choose`): after kiwi's plan is compiled, these
