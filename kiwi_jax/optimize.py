@@ -154,10 +154,11 @@ class Options:
     still compared before the first step and must agree)."""
     sync_timeout: float = 300.0
     """Several processes: seconds a process waits for another's plan fingerprint, and for
-    process 0's plan beyond process 0's worst-case solving time (``(fit_compiles + 5) *
-    time_limit``: the reference plan, the first solve, the search's ``fit_compiles + 2``
-    solves and the plan of the program with the layouts left free); past it the step raises naming the process
-    that did not answer."""
+    process 0's plan beyond process 0's worst-case solving time (``(fit_compiles + 4 +
+    FREE_LAYOUT_SOLVES) * time_limit``: the reference plan, the first solve, the search's
+    ``fit_compiles + 2`` solves and the solves of the program with the layouts left free,
+    :data:`FREE_LAYOUT_SOLVES`); past it the step raises naming the process that did not
+    answer."""
     recipes: object = True
     """The compiler chooses (:mod:`kiwi_jax.choose`): after kiwi's plan is compiled, these
     hand-written recipes are compiled for the same step and the fastest that fits the budget
@@ -419,7 +420,8 @@ class OptimizedStep:
         it is for another graph."""
         options = self.options
         plan = Plan.from_json(processes.receive_plan(
-            options.sync_timeout + (options.fit_compiles + 5) * options.time_limit))
+            options.sync_timeout
+            + (options.fit_compiles + 4 + FREE_LAYOUT_SOLVES) * options.time_limit))
         if plan.node_names != tuple(build.problem.names):
             log.error("%s: process 0's plan is for another graph (%d operators, here %d)",
                       self.__name__, len(plan.node_names), len(build.problem.names))
