@@ -17,9 +17,9 @@ plan fit once compiled, and ``hi``, the smallest budget known to give a plan tha
 ``B``. A plan solved under ``b`` with predicted peak ``p <= b`` is the solver's answer for every
 budget in ``[p, b]``, so a plan that compiles over moves ``hi`` to ``p`` (a different plan needs
 less than ``p``) and one that fits moves ``lo`` to ``b`` (a different, faster plan needs more
-than ``b``). The next budget aims at the middle of the band, ``(1 - tolerance / 2) B``. While only
-a plan over is known, the next budget is that much under it less the plan's excess of compiled
-over predicted memory (the excess taken as fixed: over the 368 tightenings recorded in
+than ``b``). The next budget aims at the middle of the band, ``(1 - tolerance / 2) B``. While
+only a plan over is known, the next budget is that aim less the plan's excess of compiled over
+predicted memory (the excess taken as fixed: over the 368 tightenings recorded in
 docs/results, it predicted the next plan's compiled memory within 3.7% of the budget at the
 median, against 5.1% for the compiled/predicted ratio taken as fixed, which under-predicts more
 often; on the Linen scan at 80% of 2x4 the excess stayed at 97-109 KB of 424 KB over five plans).
