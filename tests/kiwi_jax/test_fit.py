@@ -111,7 +111,8 @@ def test_no_plan_compiles_under_and_none_is_tighter():
 
 def test_over_and_no_plan_under_the_next_guess_halves_instead_of_creeping_up_by_a_byte():
     # every plan compiles 30% over its prediction and nothing is feasible under 800: the guess
-    # after each plan over the budget falls under the smallest budget known to have no plan (the zoo ViT on one device: 929,454, 929,455, 929,456 B were solved in turn)
+    # after each plan over the budget falls under the smallest budget known to have no plan
+    # (the zoo ViT on one device: 929,454, 929,455, 929,456 B were solved in turn)
     def answers(budget):
         return None if budget < 800 else FakePlan(str(budget), budget, 2000 / budget,
                                                   int(1.3 * budget))
