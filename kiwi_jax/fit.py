@@ -19,14 +19,16 @@ budget in ``[p, b]``, so a plan that compiles over moves ``hi`` to ``p`` (a diff
 less than ``p``) and one that fits moves ``lo`` to ``b`` (a different, faster plan needs more
 than ``b``). The next budget aims at the middle of the band, ``(1 - tolerance / 2) B``. While
 only a plan over is known, the next budget is that aim less the plan's excess of compiled over
-predicted memory (the excess taken as fixed: over the 368 tightenings recorded in
-docs/results, it predicted the next plan's compiled memory within 3.7% of the budget at the
-median, against 5.1% for the compiled/predicted ratio taken as fixed, which under-predicts more
-often; on the Linen scan at 80% of 2x4 the excess stayed at 97-109 KB of 424 KB over five plans).
+predicted memory (the excess taken as fixed: over the 411 tightenings recorded in
+docs/results, ``python -m experiments.fit_steps``, it predicted the next plan's compiled memory
+within 3.6% of the budget at the median, against 5.0% for the compiled/predicted ratio taken as
+fixed, which under-predicts by more than half the band more often, 60% of cases against 49%;
+on the Linen scan at 80% of 2x4 the excess stayed at 97-109 KB of 424 KB over five plans).
 While only a plan under is known, it is scaled up by the observed ratio ``B / compiled`` (a
-secant through the origin: 4.5% at the median over 102 loosenings, against 5.2% for the
-excess). Once both ends are known, it is interpolated between them (a secant, kept 10% of
-the width away from either end so the interval shrinks by at least that), bisected after a
+secant through the origin: 4.5% at the median over 119 loosenings, against 4.7% for the
+excess, and under by more than half the band in 48% against 52%). Once both ends are known,
+it is interpolated between them (a secant, kept 10% of the width away from either end so the
+interval shrinks by at least that), bisected after a
 budget with no plan, and put just under ``hi`` after a solve that brought nothing new to
 compile: a plan compiled before, or a plan no faster than one that fits (the solver has nothing
 faster up to that budget, so ``lo`` moves up to it; such a plan is not compiled, as it would not
@@ -454,7 +456,7 @@ def _next_guess(target: float, lo, hi, low: int, high: int | None, after: str) -
         guess = b0 + (target - c0) * (b1 - b0) / (c1 - c0)
         margin = SHRINK * (high - low)
         guess = min(max(guess, low + margin), high - margin)
-    elif hi is not None:                        # only over: down by the overshoot,
+    elif hi is not None:                        # only over: the aim less the excess,
         guess = target - (hi[1] - hi[0])
         if guess <= low:                        # or halve where that is under what has no
             guess = (low + high) // 2           # plan (a byte above it would have none)
