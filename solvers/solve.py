@@ -385,15 +385,16 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             # its memory rows bind, the exact form may fit a faster plan (on the reference GPT
             # at hidden 1024 on one device under 3,788,891,516 B, the bounded form's plan
             # predicted 234.6 ms; the exact form's from it, 226.4 ms; a plan it counts at
-            # 5,118,955,532 B holds 3,441,168,396 B). Solve that, from this plan, for at most
-            # twice the time this solve took, where the time limit leaves at least that time
-            # (on the zoo MoE on 2x4 at 80%, after a 24 s solve, the 6 s left found nothing
-            # faster, and the backend ran 12 s on them).
+            # 5,118,955,532 B holds 3,441,168,396 B). Solve that, from this plan, in its own
+            # window (EXACT_WINDOW), where the time limit leaves at least the time this solve
+            # took (on the zoo MoE on 2x4 at 80%, after a 24 s solve, the 6 s left found
+            # nothing faster, and the backend ran 12 s on them).
             log.info("%s: plan at the budget with recomputed chains' lifetimes bounded from "
                      "above; solving with them counted as held, from it", solver)
             exact, warm_start = True, _Start(strategy, keep, schedule)
             refining = result, joint, fixed, again, (strategy, keep, schedule, sim)
-            refine_until = min(deadline, time.perf_counter() + max(2 * result.seconds, 2.0))
+            refine_until = min(deadline, time.perf_counter()
+                               + max(EXACT_WINDOW * result.seconds, 2.0))
             relaxed = max(relaxed, refine_until)   # its own window: the relaxation's share
             # may have passed (then it had 1 s, and the final solve redid its work)
             continue
@@ -457,6 +458,12 @@ next one."""
 EXACT_BINDING = 0.99
 """A plan of the bounded form of ``kiwi``'s program whose memory there is at least this share of
 the budget is solved for again in the exact form, from that plan (:func:`_solve`)."""
+EXACT_WINDOW = 1.0
+"""The exact form's window, in the times the bounded solve before it took (2 s at least). On the
+zoo it found no faster plan in any window recorded (docs/solvers.md); with twice the time, the
+Linen scan on 2x4 at 80% spent 24-28 s there and planned in 70.2 s, and with once the time in
+62.6 s. The twelve zoo cells at 80% on 2x4 and 4x2 all fit with the same steps as with twice,
+but for the Llama on 4x2, whose budget search took another path (0.342 against 0.357 ms)."""
 EXACT_BUILD = 3.0
 """The exact form's build, in bounded builds: the bounded form's plan is solved for again in the
 exact form only when that build would take no longer than the bounded solve did (or a second).

@@ -239,14 +239,15 @@ def _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit):
 
 def test_the_exact_forms_refinement_has_its_own_window_after_the_relaxed_share(monkeypatch):
     # Without a warm start the program without the copies has 40% of the time; the bounded
-    # form's plan at the budget is then solved for in the exact form for twice the time that
-    # solve took, a window of its own. Capped at the relaxation's share, which had passed, the
-    # exact form of the zoo encoder-decoder on 2x4 had 7.6 s of its 19.8, did not prove its
-    # plan, and the final solve spent 10 s more to the same plan. A clock on which each
-    # backend call takes 30 of the 100 s.
+    # form's plan at the budget is then solved for in the exact form for EXACT_WINDOW times
+    # the time that solve took, a window of its own. Capped at the relaxation's share, which
+    # had passed, the exact form of the zoo encoder-decoder on 2x4 had 7.6 s of its 19.8, did
+    # not prove its plan, and the final solve spent 10 s more to the same plan. A clock on
+    # which each backend call takes 30 of the 100 s.
     plan, limits = _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit=100)
     assert plan.recomputed.tolist() == [1] and plan.peak_bytes == 311
-    assert limits == [pytest.approx(SOLVE_MODULE.RELAXED_SHARE * 100), pytest.approx(2 * 30.0)]
+    assert limits == [pytest.approx(SOLVE_MODULE.RELAXED_SHARE * 100),
+                      pytest.approx(SOLVE_MODULE.EXACT_WINDOW * 30.0)]
 
 
 def test_the_exact_form_is_not_tried_in_less_time_than_the_bounded_solve_took(monkeypatch):
