@@ -460,7 +460,7 @@ EXACT_BINDING = 0.99
 the budget is solved for again in the exact form, from that plan (:func:`_solve`)."""
 EXACT_WINDOW = 1.0
 """The exact form's window, in the times the bounded solve before it took (2 s at least). On the
-zoo it found no faster plan in any window recorded (docs/solvers.md); with twice the time, the
+zoo it found no faster plan where docs/solvers.md gives its outcome; with twice the time, the
 Linen scan on 2x4 at 80% spent 24-28 s there and planned in 70.2 s, and with once the time in
 62.6 s. The twelve zoo cells at 80% on 2x4 and 4x2 all fit with the same steps as with twice,
 but for the Llama on 4x2, whose budget search took another path (0.342 against 0.357 ms)."""
