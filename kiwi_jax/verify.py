@@ -146,12 +146,13 @@ class VerifyReport:
     memory_disagreements: tuple = ()
     """When the memory is explained (by default: when it is off by more than the tolerance):
     operators whose bytes alive at the predicted peak and at the compiled peak (XLA's
-    live-range analysis) differ by more than the tolerance and 1% of the predicted peak,
+    buffers and live ranges) differ by more than the tolerance and 1% of the predicted peak,
     largest difference first; ``(arguments)`` are the step's inputs (parameters, optimizer
     state, batch). Same dicts as ``disagreements``."""
     compiled_live_bytes: int | None = None
-    """The sum of the buffers XLA finds alive at its peak (None: memory not explained); below
-    the compiled peak by the heap's fragmentation and the arguments no longer read."""
+    """The sum of the buffers alive at the peak of the compiled heap
+    (:func:`hlo_tools.compiled.live_at_peak`; None: memory not explained); below the compiled
+    peak by the heap's packing."""
     numerics: Numerics | None = None
     """The step that runs against the plain step, given concrete arguments (None: not run)."""
     predicted_step_seconds: float | None = None
