@@ -318,10 +318,11 @@ def placements(hlo_text: str, scope: str, anchor_tags: Iterable[str]) -> list[Pl
 
 @dataclasses.dataclass(frozen=True)
 class LiveBuffer:
-    """A buffer that XLA's live-range analysis finds alive at the executable's peak."""
+    """A buffer alive at the peak of the executable's heap (:func:`live_at_peak`)."""
 
     instruction: str
-    """The entry instruction defining it."""
+    """The entry instruction defining it, with its shape index (``all-reduce.57{3}``: the
+    fourth element of a tuple-shaped collective; ``{}`` for the whole value)."""
     nbytes: int
     """Its size per device."""
     op_name: str
