@@ -5,8 +5,9 @@ search of the solver's budget, so the plan is the solver's first) and compiled, 
 split three ways:
 
 - ``predicted``: the simulator's peak (what the solver's memory rows bound);
-- ``live``: the bytes XLA's live-range analysis finds alive at the peak of its schedule
-  (:func:`hlo_tools.compiled.live_at_peak`): what the plan really holds at once;
+- ``live``: the bytes XLA's buffers hold at the peak of its heap
+  (:func:`hlo_tools.compiled.live_at_peak`: the buffer assignment's values over their live
+  ranges): what the plan really holds at once;
 - ``compiled``: ``memory_analysis``'s argument + output + temp - alias, where temp is the heap
   XLA's buffer assignment packs every temporary into.
 
