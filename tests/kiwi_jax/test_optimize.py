@@ -223,7 +223,8 @@ def test_memory_at_both_peaks_is_attributed_to_operators(mesh24):
     step, args = _step("mlp", mesh24)
     step.lower(*args)
     report = step.verify(explain_memory=True)
-    assert 0.5 * report.compiled_peak_bytes <= report.compiled_live_bytes \
+    # the heap's own peak: all but its packing (the combined all-reduce's elements included)
+    assert 0.95 * report.compiled_peak_bytes <= report.compiled_live_bytes \
         <= report.compiled_peak_bytes
     for row in report.memory_disagreements:
         difference = abs(row["predicted_bytes"] - row["compiled_bytes"])
