@@ -291,11 +291,17 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     infeasible. ``programs``: what an earlier solve of the same problem under the same budget
     learnt; it starts from there and adds to it. ``final_follows``: a solve under the whole
     budget follows this one, from its plan; then a plan of the program without the copies
-    solved again under less memory (a restriction) is not refined in the exact form, which
-    the next solve does under the whole budget (on the zoo Llama on 4x2 at 80%, the exact form
-    under the restriction's 507,228 B ran 20 s of a 14 s window and found nothing faster; the
-    final solve's, under 516,406 B, then proved its plan optimal in 6.7 s)."""
+    solved again under less memory (a restriction) is not refined in the exact form (on the
+    zoo Llama on 4x2 at 80%, the exact form under the restriction's 507,228 B ran 20 s of a
+    14 s window and found nothing faster; the exact form under the whole budget, 516,406 B,
+    then proved that plan optimal in 6.7 s).
+
+    The exact form refines only a plan the bounded form proved optimal in a solve started
+    without a plan (:data:`EXACT_WINDOW`): an unproven one goes to the final solve, which
+    proves it sooner from the plan in the bounded form, and a solve from a plan refines
+    nothing."""
     programs = _Programs() if programs is None else programs
+    cold = warm_start is None   # the exact form refines only such a solve's proven plan
     limit = budget_bytes
     skip = programs.skip
     if skip is None and budget_bytes is not None:
@@ -377,7 +383,8 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             log.info("%s: a plan under less memory; the final solve starts from it under the "
                      "whole budget", solver)
             programs.unrefined = True
-        elif budget_bytes is not None and fits and solver == "kiwi" \
+        elif budget_bytes is not None and fits and solver == "kiwi" and cold \
+                and result.status == Status.OPTIMAL \
                 and not exact and joint.claimed_peak(result.x) >= EXACT_BINDING * limit \
                 and deadline - time.perf_counter() >= max(result.seconds, 2.0) \
                 and EXACT_BUILD * joint.build_seconds <= max(result.seconds, 1.0):
@@ -388,7 +395,8 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
             # 5,118,955,532 B holds 3,441,168,396 B). Solve that, from this plan, in its own
             # window (EXACT_WINDOW), where the time limit leaves at least the time this solve
             # took (on the zoo MoE on 2x4 at 80%, after a 24 s solve, the 6 s left found
-            # nothing faster, and the backend ran 12 s on them).
+            # nothing faster, and the backend ran 12 s on them). Only from a plan the bounded
+            # form proved, in a solve started without a plan (see EXACT_WINDOW).
             log.info("%s: plan at the budget with recomputed chains' lifetimes bounded from "
                      "above; solving with them counted as held, from it", solver)
             exact, warm_start = True, _Start(strategy, keep, schedule)
@@ -463,7 +471,15 @@ EXACT_WINDOW = 1.0
 zoo it found no faster plan where docs/solvers.md gives its outcome; with twice the time, the
 Linen scan on 2x4 at 80% spent 24-28 s there and planned in 70.2 s, and with once the time in
 62.6 s. The twelve zoo cells at 80% on 2x4 and 4x2 all fit with the same steps as with twice,
-but for the Llama on 4x2, whose budget search took another path (0.342 against 0.357 ms)."""
+but for the Llama on 4x2, whose budget search took another path (0.342 against 0.357 ms).
+
+Only a plan the bounded form proved, in a solve started without a plan, is refined. The Linen
+scan's direct solve stops at its relaxation's share with the bounded plan unproven (a 4.3% gap
+after 19 s), and the final solve, from that plan, proves it in 14-18 s; the exact form's 19 s
+between the two found nothing, and without them the cell plans in 46.5 s instead of 66.6 s, to
+the same plan (alone on two cores). The one faster plan the exact form is recorded to have
+found (the reference GPT at hidden 1024 on one device) came from a bounded plan proven in about
+a second."""
 EXACT_BUILD = 3.0
 """The exact form's build, in bounded builds: the bounded form's plan is solved for again in the
 exact form only when that build would take no longer than the bounded solve did (or a second).
