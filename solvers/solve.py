@@ -293,8 +293,7 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     budget follows this one, from its plan; then a plan of the program without the copies
     solved again under less memory (a restriction) is not refined in the exact form (on the
     zoo Llama on 4x2 at 80%, the exact form under the restriction's 507,228 B ran 20 s of a
-    14 s window and found nothing faster; the exact form under the whole budget, 516,406 B,
-    then proved that plan optimal in 6.7 s).
+    14 s window and found nothing faster).
 
     The exact form refines only a plan the bounded form proved optimal in a solve started
     without a plan (:data:`EXACT_WINDOW`): an unproven one goes to the final solve, which
