@@ -6,7 +6,8 @@ many of its nodes fall in them) and then, per mesh and budget, run through
 ``kiwi_jax.optimize(step, mesh=..., memory_budget=...)`` exactly as a user would: planned,
 applied and compiled. Per cell: the problem's size, plan and compile seconds, the solver's
 status, the predicted peak against the compiled peak, the compiled peak over the budget and
-whether it fits, the budget the solver was finally given (the decorator searches the solver's
+whether it fits, the compiled-cost estimate of the program that runs (``compiled_step_seconds``:
+``kiwi_jax.estimate.compiled_cost``), the budget the solver was finally given (the decorator searches the solver's
 budget until the compiled step fits and uses it; ``plan.fit``, the search, is in the row),
 and the numerics of three applied steps against three plain jitted steps from the same concrete
 state (``kiwi_jax.verify.compare_numerics``: the loss within 1e-6, each state leaf within 1e-5
@@ -48,6 +49,7 @@ from experiments import zoo  # noqa: E402
 from experiments.common import write_result  # noqa: E402
 from hlo_tools.layers import layer_report  # noqa: E402
 from kiwi_jax.apply import ORDERS  # noqa: E402
+from kiwi_jax.estimate import compiled_cost  # noqa: E402
 from kiwi_jax.frontend import trace  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 from kiwi_jax.verify import compare_numerics  # noqa: E402
@@ -129,6 +131,8 @@ def cell(name: str, sizes: dict, mesh: str, budget: str, time_limit: float,
         fits=compiled_peak <= plan.budget_bytes, recomputed_nodes=len(plan.recomputed),
         program=prepared.applied.program,
         predicted_step_seconds=float(plan.predicted_step_seconds),
+        compiled_step_seconds=compiled_cost(prepared.applied.compiled, optimized.options.mesh,
+                                            prepared.build.cluster).step_seconds,
         fit_compiles_spent=None if plan.fit is None else plan.fit.compiles,
         fit=None if plan.fit is None else plan.fit.to_dict())
     try:
@@ -153,7 +157,8 @@ def _progress(row: dict) -> str:
             f"{row['compiled_peak_bytes'] / mib:.3f} compiled MiB "
             f"{'as its export ' if row.get('program') == 'blocks' else ''}"
             f"({row['compiled_over_budget']:.3f} x budget, "
-            f"{'fits' if row['fits'] else 'over'})")
+            f"{'fits' if row['fits'] else 'over'}), "
+            f"est. {row['compiled_step_seconds'] * 1e3:.4f} ms")
     if numerics:
         text += (f"; state diff {numerics['max_param_rel_diff']:.1e}, numerics "
                  f"{'ok' if numerics['ok'] else 'FAIL'}")

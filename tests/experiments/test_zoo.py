@@ -137,6 +137,7 @@ def test_zoo_study_quick(tmp_path, monkeypatch, capsys):
     assert row["fits"] == (row["compiled_peak_bytes"] <= row["budget_bytes"])
     assert row["predicted_peak_bytes"] <= (row["solver_budget_bytes"] or row["budget_bytes"])
     assert 0 < row["solve_seconds"] <= row["plan_seconds"] < row["wall_seconds"]
+    assert 0 < row["compiled_step_seconds"] < 1.0        # the running program's estimate
     assert row["numerics"]["steps"] == 3
     assert row["numerics"]["max_param_rel_diff"] < 1e-4
     assert row["numerics"]["max_loss_rel_diff"] < 1e-4
