@@ -7,9 +7,9 @@ many of its nodes fall in them) and then, per mesh and budget, run through
 applied and compiled. Per cell: the problem's size, plan and compile seconds, the solver's
 status, the predicted peak against the compiled peak, the compiled peak over the budget and
 whether it fits, the compiled-cost estimate of the program that runs (``compiled_step_seconds``:
-``kiwi_jax.estimate.compiled_cost``), the budget the solver was finally given (the decorator searches the solver's
-budget until the compiled step fits and uses it; ``plan.fit``, the search, is in the row),
-and the numerics of three applied steps against three plain jitted steps from the same concrete
+``kiwi_jax.estimate.compiled_cost``), the budget the solver was finally given (the decorator
+searches the solver's budget until the compiled step fits and uses it; ``plan.fit``, the
+search, is in the row), and the numerics of three applied steps against three plain jitted steps from the same concrete
 state (``kiwi_jax.verify.compare_numerics``: the loss within 1e-6, each state leaf within 1e-5
 or within 10x its noise floor, the plain step data-parallel on the mesh against the plain step
 on one device). Every failure is a row with its stage, the exception's type and the first
