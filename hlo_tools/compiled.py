@@ -382,7 +382,8 @@ def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[Li
         if instr is None:
             return ""
         element = index.strip("{}")
-        if element.isdigit() and 1 < len(instr.operands) and int(element) < len(instr.operands):
+        if instr.opcode in KINDS and element.isdigit() and 1 < len(instr.operands) \
+                and int(element) < len(instr.operands):     # element k: operand k's result
             source = entry.get(instr.operands[int(element)])
             if source is not None:
                 return _own_op_name(module, source)
