@@ -17,6 +17,7 @@ import dataclasses
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -145,18 +146,25 @@ class Model:
 
     def solve(self, backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
               mip_gap: float = 1e-4, seed: int = 0, threads: int = 1,
-              hint: dict[int, float] | None = None) -> MilpResult:
+              hint: dict[int, float] | None = None,
+              cancel: threading.Event | None = None) -> MilpResult:
         """Minimise the objective.
 
         Args:
           hint: values of some variables (a warm start, e.g. the strategy binaries of another
             plan); backends complete or repair it.
+          cancel: once set, the solve stops at the backend's next check (``highs`` only, in
+            its simplex iterations and branch and bound; its status is then a time-out's).
         """
         solvers = {"highs": _solve_highs, "cpsat": _solve_cpsat, "gurobi": _solve_gurobi}
         if backend not in solvers:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        if cancel is not None and backend != "highs":
+            raise ValueError(f"cancel: backend {backend!r} cannot be stopped; 'highs' can")
         if self.num_vars == 0:
             return self._solve_empty()
+        if backend == "highs":
+            return _solve_highs(self, time_limit, mip_gap, seed, threads, hint or {}, cancel)
         return solvers[backend](self, time_limit, mip_gap, seed, threads, hint or {})
 
     def _solve_empty(self) -> MilpResult:
@@ -185,7 +193,8 @@ def _highs_lp(arrays):
     return lp
 
 
-def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> MilpResult:
+def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint,
+                 cancel: threading.Event | None = None) -> MilpResult:
     import highspy
 
     arrays = model.arrays()
@@ -193,15 +202,16 @@ def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> Milp
     start = time.perf_counter()
     if not hint and integer.any():
         hint, relaxation = _rounded_start(lp, integer, ROUNDING_SHARE * time_limit, threads,
-                                          model.scalings)
+                                          model.scalings, cancel)
         proven = _integral_relaxation(lp, integer, relaxation, mip_gap,
-                                      time_limit - (time.perf_counter() - start), threads)
+                                      time_limit - (time.perf_counter() - start), threads,
+                                      cancel)
         if proven is not None:
             x, objective, bound = proven
             return MilpResult(Status.OPTIMAL, x, objective, bound, time.perf_counter() - start)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in integer]
-    h = _highs(time_limit - (time.perf_counter() - start), threads)
+    h = _highs(time_limit - (time.perf_counter() - start), threads, cancel)
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("random_seed", int(seed))
     h.passModel(lp)
@@ -227,19 +237,29 @@ def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint) -> Milp
     return MilpResult(status, x, objective, bound, seconds)
 
 
-def _highs(time_limit: float, threads: int):
-    """A quiet HiGHS instance with a time limit and a thread count."""
+def _highs(time_limit: float, threads: int, cancel: threading.Event | None = None):
+    """A quiet HiGHS instance with a time limit and a thread count; with ``cancel``, it stops
+    at its next simplex iteration or branch-and-bound check once that is set (no time left
+    when it already is)."""
     import highspy
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", max(float(time_limit), 0.0))
+    h.setOptionValue("time_limit", 0.0 if cancel is not None and cancel.is_set()
+                     else max(float(time_limit), 0.0))
     h.setOptionValue("threads", int(threads))
+    if cancel is not None:
+        def stop(event):
+            if cancel.is_set():
+                event.interrupt()
+        h.cbSimplexInterrupt += stop
+        h.cbMipInterrupt += stop
     return h
 
 
 def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
-                   scalings: tuple[int, ...] = TIME_SCALINGS
+                   scalings: tuple[int, ...] = TIME_SCALINGS,
+                   cancel: threading.Event | None = None
                    ) -> tuple[dict[int, float], tuple[np.ndarray, float] | None]:
     """A partial start for a MILP without one: the integer variables its LP relaxation puts
     above one half, set to one (a strategy an operator mostly takes, a value mostly kept);
@@ -260,7 +280,7 @@ def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
     start = time.perf_counter()
     for tried, scaling in enumerate(scalings):
         left = time_limit - (time.perf_counter() - start)
-        h = _highs(left / (len(scalings) - tried), threads)
+        h = _highs(left / (len(scalings) - tried), threads, cancel)
         h.setOptionValue("simplex_scale_strategy", int(scaling))
         h.passModel(lp)
         h.run()
@@ -274,7 +294,8 @@ def _rounded_start(lp, integer: np.ndarray, time_limit: float, threads: int,
 
 
 def _integral_relaxation(lp, integer: np.ndarray, relaxation, mip_gap: float, time_limit: float,
-                         threads: int) -> tuple[np.ndarray, float, float] | None:
+                         threads: int, cancel: threading.Event | None = None
+                         ) -> tuple[np.ndarray, float, float] | None:
     """The MILP's optimum, proven by its LP relaxation, when the relaxation's solution is
     integral up to :data:`INTEGRAL_TOLERANCE`: its integer variables rounded and fixed, the
     rest solved for again (an LP that presolve all but empties), and the objective within
@@ -295,7 +316,7 @@ def _integral_relaxation(lp, integer: np.ndarray, relaxation, mip_gap: float, ti
     if np.abs(x[integer] - values).max() > INTEGRAL_TOLERANCE or time_limit <= 0:
         return None
     columns = np.flatnonzero(integer).astype(np.int32)
-    h = _highs(time_limit, threads)
+    h = _highs(time_limit, threads, cancel)
     h.passModel(lp)
     h.changeColsBounds(len(columns), columns, values, values)
     h.run()

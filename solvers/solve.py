@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
 import time
 
 import numpy as np
@@ -262,6 +264,21 @@ class _Programs:
     exact: bool = False
     skip: np.ndarray | None = None
     unrefined: bool = False
+    beside: _Beside | None = None
+    """The program with the copies, while it is solved on a second core."""
+
+    def solved_beside(self, key: tuple):
+        """``(joint, fixed, result, started)`` of program ``key`` as solved on the second
+        core, once that solve ends; None when it was not solved there (a solve of another
+        program there is stopped)."""
+        beside, self.beside = self.beside, None
+        return None if beside is None else beside.take(key, self)
+
+    def stop_beside(self):
+        """Stop the second core's solve, if any (what it built is kept)."""
+        beside, self.beside = self.beside, None
+        if beside is not None:
+            beside.take(None, self)
 
     def bound(self, key: tuple, relaxation: tuple | None, result, mip_gap: float):
         """``result`` with the best bound proven on its program, by any solve of it or of
@@ -281,6 +298,77 @@ class _Programs:
         return dataclasses.replace(result, bound=bound)
 
 
+def solver_cores() -> int:
+    """The cores a solve may use: ``KIWI_JAX_SOLVER_CORES`` where it is set, else the cores
+    this process may run on. With two or more, :func:`_solve` solves two programs at once."""
+    given = os.environ.get("KIWI_JAX_SOLVER_CORES")
+    if given is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"KIWI_JAX_SOLVER_CORES: expected a whole number of cores, 1 or "
+                         f"more, got {given!r}")
+    return int(given)
+
+
+class _Beside:
+    """The program with the resharded operand copies (``key``, :func:`_formulation`'s
+    arguments in :func:`_solve`'s key) built and solved in a thread until ``deadline``, while
+    the solve goes on with the one without them: the backend releases the interpreter while
+    it runs. It starts after :data:`BESIDE_DELAY`, or at once when it is asked for, so a
+    program solved in less costs no second core.
+
+    On the zoo MoE on 2x4 at 80%, one after the other the one without them took its 19.4 s
+    share and the one with them 31.9 s to its optimum; at once, in two threads, 19.5 and 30.9 s
+    (docs/benchmarks.md)."""
+
+    def __init__(self, problem, key: tuple, skip, deadline: float, settings: dict):
+        self.key, self.started = key, time.perf_counter()
+        self.cancel, self.wanted = threading.Event(), threading.Event()
+        self.built = self.result = self.error = None
+        self.thread = threading.Thread(
+            target=self._run, args=(problem, skip, deadline, settings), daemon=True,
+            name="kiwi-solve-beside")
+        self.thread.start()
+
+    def _run(self, problem, skip, deadline, settings):
+        self.wanted.wait(BESIDE_DELAY)
+        if self.cancel.is_set():
+            return
+        solver, limit, reuse_layers, _, copies, exact = self.key
+        try:
+            self.started = time.perf_counter()
+            self.built = _formulation(problem, solver, limit, False, reuse_layers, skip,
+                                      copies, exact)
+            if self.cancel.is_set():
+                return
+            self.result = self.built[0].model.solve(
+                "highs", time_limit=max(deadline - time.perf_counter(), 1.0),
+                cancel=self.cancel, **settings)
+        except Exception as error:        # raised where the result is taken
+            self.error = error
+
+    def take(self, key: tuple | None, programs: _Programs):
+        """``(joint, fixed, result, started)`` once the solve ends, when it is of ``key``;
+        else None, with the solve stopped. What it built is kept in ``programs``."""
+        if key != self.key:
+            self.cancel.set()
+        self.wanted.set()
+        self.thread.join()
+        if self.built is not None:
+            programs.built.setdefault(self.key, self.built)
+        if key != self.key:
+            return None
+        if self.error is not None:
+            raise self.error
+        return (*self.built, self.result, self.started)
+
+
+BESIDE_DELAY = 2.0
+"""Seconds a solve of the program without the resharded operand copies runs before the one with
+them starts on a second core (:class:`_Beside`)."""
+
+
 def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
            threads, reuse_layers, programs: _Programs | None = None,
            final_follows: bool = False) -> Solution | None:
@@ -298,8 +386,23 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
     The exact form refines only a plan the bounded form proved optimal in a solve started
     without a plan (:data:`EXACT_WINDOW`): an unproven one goes to the final solve, which
     proves it sooner from the plan in the bounded form, and a solve from a plan refines
-    nothing."""
+    nothing.
+
+    With a second core (:func:`solver_cores`) and the ``highs`` backend, a solve without a warm
+    start solves the program with the copies there while the one without them is solved
+    (:class:`_Beside`), so that it is under way when that one's plan is over the budget with
+    them; it is stopped when this solve ends."""
     programs = _Programs() if programs is None else programs
+    try:
+        return _solve_programs(problem, budget_bytes, solver, warm_start, deadline, backend,
+                               mip_gap, seed, threads, reuse_layers, programs, final_follows)
+    finally:
+        programs.stop_beside()
+
+
+def _solve_programs(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
+                    threads, reuse_layers, programs: _Programs, final_follows) -> Solution | None:
+    """:func:`_solve`'s loop over its programs."""
     cold = warm_start is None   # the exact form refines only such a solve's proven plan
     limit = budget_bytes
     skip = programs.skip
@@ -318,29 +421,39 @@ def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap
         programs.copies, programs.exact, programs.skip = copies, exact, skip
         skipped = None if skip is None else skip.tobytes()
         key = (solver, limit, reuse_layers, skipped, copies, exact)
-        again = key in programs.built
-        joint, fixed = programs.built[key] if again else _formulation(
-            problem, solver, limit, False, reuse_layers, skip, copies, exact)
+        taken = programs.solved_beside(key) if copies else None
+        again = taken is None and key in programs.built
+        joint, fixed = taken[:2] if taken is not None else programs.built[key] if again else \
+            _formulation(problem, solver, limit, False, reuse_layers, skip, copies, exact)
         programs.built[key] = joint, fixed
         if shared and not copies:          # its share of the time left once it is built
             now = time.perf_counter()
             relaxed, shared = now + RELAXED_SHARE * max(deadline - now, 0.0), False
+            if backend == "highs" and solver_cores() >= 2:
+                programs.beside = _Beside(
+                    problem, (solver, budget_bytes, reuse_layers, skipped, True, exact), skip,
+                    deadline, {"mip_gap": mip_gap, "seed": seed, "threads": threads})
         time_limit = max(min(deadline if copies else relaxed, refine_until)
                          - time.perf_counter(), 1.0)
         log.info("%s: %d variables, %d constraints, %s in %.2f s", solver,
                  joint.model.num_vars, joint.model.num_rows,
                  "built before" if again else "built", joint.build_seconds)
-        hint = None
-        if warm_start is not None and isinstance(joint, FullModel):
-            hint = joint.hint(problem, warm_start.strategy, recompute_at=warm_start.recompute_at)
-        elif warm_start is not None:
-            hint = joint.hint(problem, warm_start.strategy,
-                              warm_start.keep if fixed is None else None)
+        if taken is not None:
+            solved = taken[2]
+            log.info("%s: solved on a second core, begun %.1f s before: %s in %.1f s", solver,
+                     time.perf_counter() - taken[3], solved.status.value, solved.seconds)
+        else:
+            hint = None
+            if warm_start is not None and isinstance(joint, FullModel):
+                hint = joint.hint(problem, warm_start.strategy,
+                                  recompute_at=warm_start.recompute_at)
+            elif warm_start is not None:
+                hint = joint.hint(problem, warm_start.strategy,
+                                  warm_start.keep if fixed is None else None)
+            solved = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap,
+                                       seed=seed, threads=threads, hint=hint)
         result = programs.bound(key, (solver, budget_bytes, reuse_layers, skipped, False, exact)
-                                if copies else None,
-                                joint.model.solve(backend, time_limit=time_limit,
-                                                  mip_gap=mip_gap, seed=seed, threads=threads,
-                                                  hint=hint), mip_gap)
+                                if copies else None, solved, mip_gap)
         if refining is not None and (result.x is None or (
                 result.status != Status.OPTIMAL
                 and result.objective >= refining[0].objective * (1 - 1e-6))):

@@ -11,6 +11,11 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
+# One core a solve: the suite runs two workers on two cores (scripts/test.sh), so a worker's solve
+# that took a second core for a second program would slow the other; the tests of that path set
+# it themselves.
+os.environ.setdefault("KIWI_JAX_SOLVER_CORES", "1")
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 
@@ -153,6 +154,80 @@ def test_a_direct_solves_plan_under_less_memory_is_left_to_the_final_solve(monke
                  backend="highs", mip_gap=0.1, seed=0, threads=1, reuse_layers=True,
                  programs=programs)
     assert alone.status == Status.OPTIMAL and not programs.unrefined
+
+
+def test_on_a_second_core_the_program_with_the_copies_is_solved_beside(monkeypatch, caplog):
+    # At 112 B the relaxation's plan (strategy 0) is 6 B over with its copy, more than the 5%
+    # it is solved again for under less: the program with the copies decides (strategy 1,
+    # 112 B with its copy). With two cores that program is solved on the second, and built once.
+    monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", "2")
+    built, formulation = [], SOLVE_MODULE._formulation
+
+    def recorded(*args, **kwargs):
+        built.append(args[6:8])                     # the copies counted, the exact form
+        return formulation(*args, **kwargs)
+
+    monkeypatch.setattr(SOLVE_MODULE, "_formulation", recorded)
+    with caplog.at_level(logging.INFO, logger="solvers.solve"):
+        plan = solve(_over_by_its_copies(), 112, solver="kiwi", warm_start=None)
+    assert plan.strategy.tolist() == [0, 1] and plan.peak_bytes == 112
+    assert "solved on a second core" in caplog.text
+    assert built[:2] == [(False, False), (True, False)] and built.count((True, False)) == 1
+    monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", "1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="solvers.solve"):
+        alone = solve(_over_by_its_copies(), 112, solver="kiwi", warm_start=None)
+    assert alone.strategy.tolist() == [0, 1] and "second core" not in caplog.text
+
+
+def test_the_solve_beside_is_stopped_when_the_plan_without_the_copies_fits(monkeypatch):
+    # At 118 B the relaxation's plan fits with its copy: the solve on the second core, begun at
+    # once here, is stopped (a backend that would otherwise run its 60 s).
+    monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", "2")
+    monkeypatch.setattr(SOLVE_MODULE, "BESIDE_DELAY", 0.0)
+    real, stopped = Model.solve, []
+
+    def until_cancelled(self, backend, time_limit, cancel=None, **kwargs):
+        if cancel is None:
+            return real(self, backend, time_limit=time_limit, **kwargs)
+        stopped.append(cancel.wait(time_limit))
+        return MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"), 0.0)
+
+    monkeypatch.setattr(Model, "solve", until_cancelled)
+    start = time.perf_counter()
+    plan = solve(_over_by_its_copies(), 118, solver="kiwi", warm_start=None, time_limit=60)
+    assert plan.strategy.tolist() == [0, 0] and plan.peak_bytes == 118
+    assert stopped == [True] and time.perf_counter() - start < 30
+    assert not any(t.name == "kiwi-solve-beside" for t in threading.enumerate())
+
+
+def _market_split(rows=4, columns=30, seed=0):
+    """A market-split MILP (Cornuejols and Dawande): small, and hard for branch and bound."""
+    a = np.random.default_rng(seed).integers(0, 100, size=(rows, columns))
+    model = Model()
+    x = model.add_vars(columns)
+    slack = model.add_vars(2 * rows, ub=1e6, integer=False)
+    for i in range(rows):
+        half = float(a[i].sum() // 2)
+        model.add_terms([*x, slack[2 * i], slack[2 * i + 1]], [*a[i], 1.0, -1.0], half, half)
+    model.minimize(sum((var(int(j)) for j in slack), const(0.0)))
+    return model
+
+
+def test_a_highs_solve_stops_soon_after_it_is_cancelled():
+    cancel, out = threading.Event(), []
+    solving = threading.Thread(target=lambda: out.append(_market_split().solve(
+        "highs", time_limit=60, mip_gap=0.0, cancel=cancel)))
+    solving.start()
+    time.sleep(1.0)
+    cancel.set()
+    stopped = time.perf_counter()
+    solving.join()
+    assert time.perf_counter() - stopped < 5.0
+    assert out[0].status in (Status.TIMEOUT_WITH_INCUMBENT, Status.TIMEOUT_NO_INCUMBENT)
+    assert _market_split().solve("highs", cancel=cancel).status == Status.TIMEOUT_NO_INCUMBENT
+    with pytest.raises(ValueError, match="cannot be stopped"):
+        _market_split().solve("cpsat", cancel=cancel)
 
 
 def test_a_relaxed_solve_without_a_plan_leaves_the_rest_of_the_time_to_the_copies(
@@ -806,8 +881,9 @@ def test_a_relaxation_one_scaling_does_not_solve_in_its_time_is_solved_with_the_
         """A HiGHS instance whose time limit and scaling are recorded; the first one's limit is
         taken to nothing, as a scaling that does not solve in its time."""
 
-        def __init__(self, time_limit, threads):
-            self.h, self.time_limit = real(0.0 if not tries else time_limit, threads), time_limit
+        def __init__(self, time_limit, threads, cancel=None):
+            self.time_limit = time_limit
+            self.h = real(0.0 if not tries else time_limit, threads, cancel)
             tries.append(self)
 
         def setOptionValue(self, name, value):
