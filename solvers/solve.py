@@ -275,7 +275,7 @@ class _Programs:
         return None if beside is None else beside.take(key, self)
 
     def stop_beside(self):
-        """Stop the second core's solve, if any (what it built is kept)."""
+        """Stop the second core's solve, if any."""
         beside, self.beside = self.beside, None
         if beside is not None:
             beside.take(None, self)
@@ -318,9 +318,12 @@ class _Beside:
     it runs. It starts after :data:`BESIDE_DELAY`, or at once when it is asked for, so a
     program solved in less costs no second core.
 
-    On the zoo MoE on 2x4 at 80%, one after the other the one without them took its 19.4 s
-    share and the one with them 31.9 s to its optimum; at once, in two threads, 19.5 and 30.9 s
-    (docs/benchmarks.md)."""
+    On the zoo MoE at 80%, the one without them runs its 19 s share to a plan over the budget
+    with its copies; the one with them, solved from then, had not proven its plan when the
+    direct solve's 28 s ran out, and the final solve ran to the time limit: the cell planned in
+    77.4 s on 2x4 and 76.3 s on 4x2 on one core (timeout_with_incumbent). On two, where it is
+    solved beside, it proves its plan in 33-35 s from its start, and the cell plans in 54.9 and
+    51.7 s (docs/solvers.md, "Two programs at once")."""
 
     def __init__(self, problem, key: tuple, skip, deadline: float, settings: dict):
         self.key, self.started = key, time.perf_counter()
@@ -349,24 +352,28 @@ class _Beside:
             self.error = error
 
     def take(self, key: tuple | None, programs: _Programs):
-        """``(joint, fixed, result, started)`` once the solve ends, when it is of ``key``;
-        else None, with the solve stopped. What it built is kept in ``programs``."""
+        """``(joint, fixed, result, started)`` once the solve ends, when it is of ``key`` (what
+        it built is kept in ``programs``); else None, and the thread is told to stop: it ends
+        at the backend's next check, or once its build is done (not waited for: the 96-layer
+        GPT's takes 8 s)."""
+        self.wanted.set()
         if key != self.key:
             self.cancel.set()
-        self.wanted.set()
-        self.thread.join()
-        if self.built is not None:
-            programs.built.setdefault(self.key, self.built)
-        if key != self.key:
             return None
+        self.thread.join()
         if self.error is not None:
             raise self.error
+        programs.built.setdefault(self.key, self.built)
         return (*self.built, self.result, self.started)
 
 
-BESIDE_DELAY = 2.0
+BESIDE_DELAY = 5.0
 """Seconds a solve of the program without the resharded operand copies runs before the one with
-them starts on a second core (:class:`_Beside`)."""
+them starts on a second core (:class:`_Beside`). After 2 s, the 20-layer KIWI-config GPT's solve
+on 2x4 at 80% (``experiments.solve_time``), whose relaxation fits with its copies, took 7.0-7.1 s
+against 5.8-6.2 s on one core: the thread's build of the other program (Python) slowed the
+solve's own work on the plan. After 5 s, 5.7 s; the zoo MoE on 2x4 at 80% planned in 54.9 s
+(52.7 s after 2 s, 77.4 s on one core)."""
 
 
 def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
