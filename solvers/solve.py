@@ -322,8 +322,8 @@ class _Beside:
     with its copies; the one with them, solved from then, had not proven its plan when the
     direct solve's 28 s ran out, and the final solve ran to the time limit: the cell planned in
     77.4 s on 2x4 and 76.3 s on 4x2 on one core (timeout_with_incumbent). On two, where it is
-    solved beside, it proves its plan in 33-35 s from its start, and the cell plans in 54.9 and
-    51.7 s (docs/solvers.md, "Two programs at once")."""
+    solved beside, it proves its plan in 31-34 s from its start, and the cell plans in 54.9 and
+    53.0 s (docs/solvers.md, "Two programs at once")."""
 
     def __init__(self, problem, key: tuple, skip, deadline: float, settings: dict):
         self.key, self.started = key, time.perf_counter()
