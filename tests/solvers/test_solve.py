@@ -185,11 +185,13 @@ def test_the_solve_beside_is_stopped_when_the_plan_without_the_copies_fits(monke
     # once here, is stopped (a backend that would otherwise run its 60 s).
     monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", "2")
     monkeypatch.setattr(SOLVE_MODULE, "BESIDE_DELAY", 0.0)
-    real, stopped = Model.solve, []
+    real, stopped, begun = Model.solve, [], threading.Event()
 
     def until_cancelled(self, backend, time_limit, cancel=None, **kwargs):
         if cancel is None:
+            begun.wait(10.0)            # the solve beside is under way before this one ends
             return real(self, backend, time_limit=time_limit, **kwargs)
+        begun.set()
         stopped.append(cancel.wait(time_limit))
         return MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"), 0.0)
 
