@@ -205,6 +205,17 @@ def test_the_solve_beside_is_stopped_when_the_plan_without_the_copies_fits(monke
     assert stopped == [True] and time.perf_counter() - start < 30
 
 
+def test_the_solvers_cores_are_the_environments_or_the_processes(monkeypatch):
+    monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", "3")
+    assert SOLVE_MODULE.solver_cores() == 3
+    monkeypatch.delenv("KIWI_JAX_SOLVER_CORES")
+    assert SOLVE_MODULE.solver_cores() >= 1
+    for wrong in ("0", "two", "-1"):
+        monkeypatch.setenv("KIWI_JAX_SOLVER_CORES", wrong)
+        with pytest.raises(ValueError, match="KIWI_JAX_SOLVER_CORES: expected a whole number"):
+            SOLVE_MODULE.solver_cores()
+
+
 def _market_split(rows=4, columns=30, seed=0):
     """A market-split MILP (Cornuejols and Dawande): small, and hard for branch and bound."""
     a = np.random.default_rng(seed).integers(0, 100, size=(rows, columns))
