@@ -369,11 +369,12 @@ class _Beside:
 
 BESIDE_DELAY = 5.0
 """Seconds a solve of the program without the resharded operand copies runs before the one with
-them starts on a second core (:class:`_Beside`). After 2 s, the 20-layer KIWI-config GPT's solve
-on 2x4 at 80% (``experiments.solve_time``), whose relaxation fits with its copies, took 7.0-7.1 s
-against 5.8-6.2 s on one core: the thread's build of the other program (Python) slowed the
-solve's own work on the plan. After 5 s, 5.7 s; the zoo MoE on 2x4 at 80% planned in 54.9 s
-(52.7 s after 2 s, 77.4 s on one core)."""
+them starts on a second core (:class:`_Beside`), so that a solve that ends sooner puts no work
+there. The 20-layer KIWI-config GPT's solve on 2x4 at 80% (``experiments.solve_time``), whose
+relaxation fits with its copies in about 4 s, builds nothing beside with this delay; with 2 s
+it built the other program, and took 7.0-7.1 s against 5.8-6.2 s on one core, a difference
+within what the same solve spread over with nothing beside (5.7-7.0 s). The zoo MoE on 2x4 at
+80% planned in 54.9 s with this delay, 52.7 s with 2 s, 77.4 s on one core."""
 
 
 def _solve(problem, budget_bytes, solver, warm_start, deadline, backend, mip_gap, seed,
