@@ -272,13 +272,13 @@ class _Programs:
         core, once that solve ends; None when it was not solved there (a solve of another
         program there is stopped)."""
         beside, self.beside = self.beside, None
-        return None if beside is None else beside.take(key, self)
+        return None if beside is None else beside.take(key)
 
     def stop_beside(self):
         """Stop the second core's solve, if any."""
         beside, self.beside = self.beside, None
         if beside is not None:
-            beside.take(None, self)
+            beside.take(None)
 
     def bound(self, key: tuple, relaxation: tuple | None, result, mip_gap: float):
         """``result`` with the best bound proven on its program, by any solve of it or of
@@ -351,11 +351,10 @@ class _Beside:
         except Exception as error:        # raised where the result is taken
             self.error = error
 
-    def take(self, key: tuple | None, programs: _Programs):
-        """``(joint, fixed, result, started)`` once the solve ends, when it is of ``key`` (what
-        it built is kept in ``programs``); else None, and the thread is told to stop: it ends
-        at the backend's next check, or once its build is done (not waited for: the 96-layer
-        GPT's takes 8 s)."""
+    def take(self, key: tuple | None):
+        """``(joint, fixed, result, started)`` once the solve ends, when it is of ``key``; else
+        None, and the thread is told to stop: it ends at the backend's next check, or once its
+        build is done (not waited for: the 96-layer GPT's takes 8 s)."""
         self.wanted.set()
         if key != self.key:
             self.cancel.set()
@@ -363,7 +362,6 @@ class _Beside:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        programs.built.setdefault(self.key, self.built)
         return (*self.built, self.result, self.started)
 
 
@@ -431,8 +429,13 @@ def _solve_programs(problem, budget_bytes, solver, warm_start, deadline, backend
         key = (solver, limit, reuse_layers, skipped, copies, exact)
         taken = programs.solved_beside(key) if copies else None
         again = taken is None and key in programs.built
-        joint, fixed = taken[:2] if taken is not None else programs.built[key] if again else \
-            _formulation(problem, solver, limit, False, reuse_layers, skip, copies, exact)
+        if taken is not None:
+            joint, fixed = taken[:2]
+        elif again:
+            joint, fixed = programs.built[key]
+        else:
+            joint, fixed = _formulation(problem, solver, limit, False, reuse_layers, skip,
+                                        copies, exact)
         programs.built[key] = joint, fixed
         if shared and not copies:          # its share of the time left once it is built
             now = time.perf_counter()
