@@ -913,11 +913,12 @@ def test_a_relaxation_one_scaling_does_not_solve_in_its_time_is_solved_with_the_
     start, relaxation = backend._rounded_start(backend._highs_lp(arrays), arrays[6], 10.0, 1,
                                                peak.scalings)
     assert [t.simplex_scale_strategy for t in tries] == [1, 4]
-    assert tries[0].time_limit == pytest.approx(5.0) and tries[1].time_limit > 4.9
+    # each share is of the time left on the clock, so a loaded machine takes microseconds off
+    assert tries[0].time_limit == pytest.approx(5.0, abs=1e-2) and tries[1].time_limit > 4.9
     assert start and relaxation is not None            # from the second scaling
     tries.clear()
     arrays = timed.arrays()
     assert backend._rounded_start(backend._highs_lp(arrays), arrays[6], 10.0, 1,
                                   timed.scalings) == ({}, None)
     assert [t.simplex_scale_strategy for t in tries] == [4]       # alone: nothing after it
-    assert tries[0].time_limit == pytest.approx(10.0)
+    assert tries[0].time_limit == pytest.approx(10.0, abs=1e-2)
