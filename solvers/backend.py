@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import scipy.sparse as sp
@@ -147,7 +148,8 @@ class Model:
     def solve(self, backend: str = DEFAULT_BACKEND, time_limit: float = 60.0,
               mip_gap: float = 1e-4, seed: int = 0, threads: int = 1,
               hint: dict[int, float] | None = None,
-              cancel: threading.Event | None = None) -> MilpResult:
+              cancel: threading.Event | None = None,
+              on_incumbent: Callable[[np.ndarray], None] | None = None) -> MilpResult:
         """Minimise the objective.
 
         Args:
@@ -155,16 +157,22 @@ class Model:
             plan); backends complete or repair it.
           cancel: once set, the solve stops at the backend's next check (``highs`` only, in
             its simplex iterations and branch and bound; its status is then a time-out's).
+          on_incumbent: called with each better solution branch and bound finds, all of its
+            variables (``highs`` only); it may set ``cancel``.
         """
         solvers = {"highs": _solve_highs, "cpsat": _solve_cpsat, "gurobi": _solve_gurobi}
         if backend not in solvers:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         if cancel is not None and backend != "highs":
             raise ValueError(f"cancel: backend {backend!r} cannot be stopped; 'highs' can")
+        if on_incumbent is not None and backend != "highs":
+            raise ValueError(f"on_incumbent: backend {backend!r} does not report its "
+                             f"solutions as it finds them; 'highs' does")
         if self.num_vars == 0:
             return self._solve_empty()
         if backend == "highs":
-            return _solve_highs(self, time_limit, mip_gap, seed, threads, hint or {}, cancel)
+            return _solve_highs(self, time_limit, mip_gap, seed, threads, hint or {}, cancel,
+                                on_incumbent)
         return solvers[backend](self, time_limit, mip_gap, seed, threads, hint or {})
 
     def _solve_empty(self) -> MilpResult:
@@ -194,7 +202,8 @@ def _highs_lp(arrays):
 
 
 def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint,
-                 cancel: threading.Event | None = None) -> MilpResult:
+                 cancel: threading.Event | None = None,
+                 on_incumbent: Callable[[np.ndarray], None] | None = None) -> MilpResult:
     import highspy
 
     arrays = model.arrays()
@@ -214,6 +223,9 @@ def _solve_highs(model: Model, time_limit, mip_gap, seed, threads, hint,
     h = _highs(time_limit - (time.perf_counter() - start), threads, cancel)
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("random_seed", int(seed))
+    if on_incumbent is not None:      # the solution in the original program's variables
+        h.cbMipImprovingSolution += \
+            lambda event: on_incumbent(np.array(event.data_out.mip_solution))
     h.passModel(lp)
     if hint:
         index = np.fromiter(hint.keys(), np.int32)

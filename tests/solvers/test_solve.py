@@ -188,9 +188,9 @@ def test_the_solve_beside_is_stopped_when_the_plan_without_the_copies_fits(monke
     real, stopped, begun = Model.solve, [], threading.Event()
 
     def until_cancelled(self, backend, time_limit, cancel=None, **kwargs):
-        if cancel is None:
+        if cancel is None or "on_incumbent" in kwargs:   # not the solve beside
             begun.wait(10.0)            # the solve beside is under way before this one ends
-            return real(self, backend, time_limit=time_limit, **kwargs)
+            return real(self, backend, time_limit=time_limit, cancel=cancel, **kwargs)
         begun.set()
         stopped.append(cancel.wait(time_limit))
         return MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"), 0.0)
@@ -245,6 +245,57 @@ def test_a_highs_solve_stops_soon_after_it_is_cancelled():
         _market_split().solve("cpsat", cancel=cancel)
 
 
+def _time_given(time_limit, kwargs, now) -> float:
+    """The time a backend call of ``_solve`` has: its limit, or, for the program without the
+    copies solved without a warm start, until its share of the time ends (its watch stops it
+    there unless its plan so far fits with its copies)."""
+    watch = getattr(kwargs.get("on_incumbent"), "__self__", None)
+    return time_limit if watch is None else min(time_limit, watch.share_ends - now)
+
+
+def _watched(budget_bytes, share_seconds):
+    """A watch of ``_over_by_its_copies()``'s program without the copies under
+    ``budget_bytes``, whose share ends in ``share_seconds``; with the solution of that
+    program, strategy 0 (118 B with its copy)."""
+    p = _over_by_its_copies()
+    joint, fixed = SOLVE_MODULE._formulation(p, "kiwi", budget_bytes, False, True, None, False,
+                                             False)
+    x = joint.model.solve("highs").x
+    watch = SOLVE_MODULE._Watch(p, joint, fixed, budget_bytes,
+                                time.perf_counter() + share_seconds)
+    return watch, x
+
+
+def test_a_solve_whose_plan_fits_with_its_copies_goes_on_past_its_share():
+    # The named decoder on 2x4 at 80%: its direct solve had its plan at 8 s and stopped at its
+    # 18.4 s share; the final solve spent 14 s of its 22 s getting back to the same bound.
+    # Now a plan that fits with its copies (118 B here) lets the solve go on past the share.
+    watch, x = _watched(120, 0.2)
+    watch.hooks["on_incumbent"](x)
+    time.sleep(0.5)
+    assert not watch.cancel.is_set()
+    watch.close()
+
+
+@pytest.mark.parametrize("found", [False, True])
+def test_a_solve_without_a_plan_that_fits_with_its_copies_stops_at_its_share(found):
+    watch, x = _watched(116, 0.3)            # strategy 0: 118 B with its copy, over 116
+    if found:
+        watch.hooks["on_incumbent"](x)
+    assert not watch.cancel.is_set()         # before the share ends
+    assert watch.cancel.wait(5.0)
+    watch.close()
+
+
+def test_a_better_plan_over_the_budget_with_its_copies_stops_the_solve_past_its_share():
+    watch, x = _watched(116, 0.0)
+    time.sleep(0.2)
+    watch.cancel.clear()                       # it had no plan at the share
+    watch.hooks["on_incumbent"](x)
+    assert watch.cancel.is_set()
+    watch.close()
+
+
 def test_a_relaxed_solve_without_a_plan_leaves_the_rest_of_the_time_to_the_copies(
         monkeypatch, caplog):
     # Without a warm start, the program without the copies has a share of the time; when it
@@ -255,7 +306,7 @@ def test_a_relaxed_solve_without_a_plan_leaves_the_rest_of_the_time_to_the_copie
     limits, real = [], Model.solve
 
     def first_without_a_plan(self, backend, time_limit, **kwargs):
-        limits.append(time_limit)
+        limits.append(_time_given(time_limit, kwargs, time.perf_counter()))
         if len(limits) == 1:
             return MilpResult(Status.TIMEOUT_NO_INCUMBENT, None, float("nan"), float("nan"),
                               time_limit)
@@ -285,7 +336,7 @@ def test_the_relaxed_solves_share_is_of_the_time_left_once_it_is_built(monkeypat
         return formulation(*args, **kwargs)
 
     def recorded(self, backend, time_limit, **kwargs):
-        limits.append(time_limit)
+        limits.append(_time_given(time_limit, kwargs, clock[0]))
         return real(self, backend, time_limit=time_limit, **kwargs)
 
     monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -314,7 +365,7 @@ def _solved_on_a_clock_of_thirty_seconds_a_call(monkeypatch, time_limit):
     limits, real, clock = [], Model.solve, [0.0]
 
     def thirty_seconds(self, backend, time_limit, **kwargs):
-        limits.append(time_limit)
+        limits.append(_time_given(time_limit, kwargs, clock[0]))
         clock[0] += 30.0
         return dataclasses.replace(real(self, backend, time_limit=time_limit, **kwargs),
                                    seconds=30.0)
