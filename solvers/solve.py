@@ -687,7 +687,9 @@ them) when the solve has no warm start, so that a plan over the budget with them
 to the program that counts them. With the whole time, the zoo Llama on 2x4 at 80% found, after
 48 s, a plan 1.2% over with its copies, and the program with them then had no time left to find
 one (it finds one in 20 s from the start). With a warm start, which fits with the copies, the
-counted program always has a plan, and the relaxation keeps the whole time."""
+counted program always has a plan, and the relaxation keeps the whole time. With the ``highs``
+backend the share is where :class:`_Watch` stops the solve unless its plan so far fits with its
+copies; it goes on past the share otherwise."""
 
 
 def _tie_advice(problem: ShardingProblem, solver: str, reuse_layers: bool) -> str:
