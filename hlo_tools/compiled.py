@@ -18,11 +18,13 @@ whenever the mesh's devices are in id order (always the case for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import pathlib
 import re
+import secrets
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -338,6 +340,36 @@ _VALUE_RE = re.compile(r"<\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})? @[^>]*> "
 _RANGE_RE = re.compile(r"^\s+(?P<value>[\w.\-]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$", re.M)
 
 
+@contextlib.contextmanager
+def _past_the_cache(options: dict):
+    """``options`` for a compile that XLA runs, with JAX's persistent compilation cache on.
+
+    That cache leaves the dump options out of its key, so a step compiled before (by the user,
+    or by the planner a moment earlier) came back from it and XLA wrote no dump: with
+    ``jax_compilation_cache_dir`` set, planning the 2-layer reference GPT on one device raised
+    :class:`CompiledAnalysisError`. Where the cache is on, a debug option that changes nothing
+    XLA compiles or dumps (how many buffers a debug print of the buffer assignment lists; the
+    dumps read here were the same with it) keys this compile apart, and nothing is written to
+    the cache while it runs."""
+    import jax
+
+    if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
+        yield options
+        return
+    written_after = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+    try:
+        yield {**options, "xla_debug_buffer_assignment_show_max":
+               UNCACHED_SHOW_MAX + secrets.randbelow(UNCACHED_SHOW_MAX)}
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", written_after)
+
+
+UNCACHED_SHOW_MAX = 1 << 30
+"""The least of :func:`_past_the_cache`'s ``xla_debug_buffer_assignment_show_max`` values (a
+random one each compile, so no two compiles share a cache key)."""
+
+
 def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[LiveBuffer, ...]:
     """The buffers alive at the peak of ``lowered``'s heap: ``lowered`` is compiled once more
     with XLA's dumps on (a few seconds; the dump goes to a temporary directory), and at each
@@ -358,8 +390,8 @@ def live_at_peak(lowered: Any, compiler_options: dict | None = None) -> tuple[Li
     Raises:
       CompiledAnalysisError: the backend wrote no buffer assignment or live-range report.
     """
-    with tempfile.TemporaryDirectory(prefix="hlo-dump-") as directory:
-        options = {**(compiler_options or {}), "xla_dump_to": directory}
+    with tempfile.TemporaryDirectory(prefix="hlo-dump-") as directory, \
+            _past_the_cache({**(compiler_options or {}), "xla_dump_to": directory}) as options:
         lowered.compile(compiler_options=options)
         folder = pathlib.Path(directory)
         reports = sorted(folder.glob("*after_optimizations-live-range.txt"))
