@@ -346,8 +346,8 @@ def _past_the_cache(options: dict):
 
     That cache leaves the dump options out of its key, so a step compiled before (by the user,
     or by the planner a moment earlier) came back from it and XLA wrote no dump: with
-    ``jax_compilation_cache_dir`` set, planning the 2-layer reference GPT on one device raised
-    :class:`CompiledAnalysisError`. Where the cache is on, a debug option that changes nothing
+    ``jax_compilation_cache_dir`` set, ``verify`` explaining a plan's memory per operator
+    raised :class:`CompiledAnalysisError`. Where the cache is on, a debug option that changes nothing
     XLA compiles or dumps (how many buffers a debug print of the buffer assignment lists; the
     dumps read here were the same with it) keys this compile apart, and nothing is written to
     the cache while it runs."""

@@ -298,7 +298,7 @@ print(json.dumps({"peak": peak, "live": sum(b.nbytes for b in live), "entries": 
 
 def test_live_at_peak_compiles_past_jaxs_persistent_cache(tmp_path):
     # The cache leaves the dump options out of its key: a step compiled before came back from
-    # it, XLA wrote no dump, and planning raised CompiledAnalysisError. In a process of its own,
+    # it, XLA wrote no dump, and verify raised CompiledAnalysisError. In a process of its own,
     # as the cache is set up once a process.
     out = subprocess.run([sys.executable, "-c", _CACHED, str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=120,
