@@ -347,10 +347,10 @@ def _past_the_cache(options: dict):
     That cache leaves the dump options out of its key, so a step compiled before (by the user,
     or by the planner a moment earlier) came back from it and XLA wrote no dump: with
     ``jax_compilation_cache_dir`` set, ``verify`` explaining a plan's memory per operator
-    raised :class:`CompiledAnalysisError`. Where the cache is on, a debug option that changes nothing
-    XLA compiles or dumps (how many buffers a debug print of the buffer assignment lists; the
-    dumps read here were the same with it) keys this compile apart, and nothing is written to
-    the cache while it runs."""
+    raised :class:`CompiledAnalysisError`. Where the cache is on, a debug option that changes
+    nothing XLA compiles or dumps (how many buffers a debug print of the buffer assignment
+    lists; the dumps read here were the same with it) keys this compile apart, and nothing is
+    written to the cache while it runs."""
     import jax
 
     if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
