@@ -28,6 +28,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 
@@ -171,7 +172,8 @@ def _nnx_blocks(objects, wanted: dict, calls: list):
                 return original(self, *a, **k)
             calls.append(type(self).__name__)
             policy, constrain = wanted[block]
-            rematted = nnx.remat(original, policy=policy) if policy is not None else original
+            rematted = _arrays_through(lambda f: nnx.remat(f, policy=policy), original) \
+                if policy is not None else original
             return _constrained(rematted, constrain)(self, *a, **k)
         return call
 
@@ -185,6 +187,26 @@ def _nnx_blocks(objects, wanted: dict, calls: list):
                 del cls.__call__
             else:
                 cls.__call__ = original
+
+
+def _arrays_through(remat, fn):
+    """``fn(module, *a, **k)`` under ``remat`` (a function transform of ``f(module, *arrays)``)
+    with only the arrays of ``a`` and ``k`` passed through it; the rest (keyword arguments'
+    Python values, a ``train`` or ``deterministic`` flag) is closed over. ``nnx.remat`` refuses
+    keywords it cannot put in positions (a keyword-only ``deterministic=True``), and a flag
+    passed through ``jax.checkpoint`` arrives traced, so Python cannot branch on it."""
+    def call(module, *a, **k):
+        leaves, tree = jax.tree.flatten((a, k))
+        arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+        def body(mdl, *given):
+            filled = list(leaves)
+            for i, leaf in zip(arrays, given):
+                filled[i] = leaf
+            args, kwargs = jax.tree.unflatten(tree, filled)
+            return fn(mdl, *args, **kwargs)
+        return remat(body)(module, *(leaves[i] for i in arrays))
+    return call
 
 
 def _constrained(fn, constrain):
@@ -221,7 +243,8 @@ def _linen_interceptor(wanted: dict, calls: list):
             if policy is None:
                 return _constrained(lambda _, *a, **k: next_fun(*a, **k), constrain)(
                     module, *args, **kwargs)
-            return _constrained(nn.checkpoint(body, policy=policy), constrain)(
+            return _constrained(_arrays_through(
+                lambda f: nn.checkpoint(f, policy=policy), body), constrain)(
                 module, *args, **kwargs)
         finally:
             active.pop()

@@ -11,7 +11,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import solvers
@@ -247,3 +251,95 @@ def test_a_solver_failure_at_one_budget_is_a_row_of_the_comparison(monkeypatch, 
 def test_cli_compare_rejects_bad_options(argv, message, capsys):
     assert cli.main(["compare", "--model", "gpt", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+class _KeywordBlock(nnx.Module):
+    """A block as Flax examples write them: a keyword-only flag with a default, and a
+    keyword argument the model passes."""
+
+    def __init__(self, dim, *, rngs):
+        self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+
+    def __call__(self, x, *, scale=1.0, deterministic: bool = True):
+        h = nnx.gelu(self.up(x))
+        if not deterministic:
+            h = h * 0.5
+        return x + scale * self.down(h)
+
+
+class _KeywordModel(nnx.Module):
+    def __init__(self, dim=16, *, rngs):
+        self.blocks = nnx.List([_KeywordBlock(dim, rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        return self.head(x)
+
+
+def _keyword_nnx():
+    model = _KeywordModel(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(
+            lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    return train_step, (model, optimizer, {"x": x, "y": x[:, :1]})
+
+
+class _LinenKeywordBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.gelu(nn.Dense(2 * x.shape[-1])(x))
+        return x + nn.Dense(x.shape[-1])(h * (0.5 if train else 1.0))
+
+
+class _LinenKeywordModel(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        for _ in range(2):
+            x = _LinenKeywordBlock()(x, train=train)
+        return nn.Dense(1)(x)
+
+
+def _keyword_linen():
+    model = _LinenKeywordModel()
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    state = train_state.TrainState.create(apply_fn=model.apply,
+                                          params=model.init(jax.random.key(0), x)["params"],
+                                          tx=optax.adam(1e-2))
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            out = state.apply_fn({"params": params}, batch["x"], train=True)
+            return jnp.mean((out - batch["y"]) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step, (state, {"x": x, "y": x[:, :1]})
+
+
+@pytest.mark.parametrize("make", [_keyword_nnx, _keyword_linen], ids=["nnx", "linen"])
+def test_blocks_called_with_keyword_arguments_run_under_the_policy(make, mesh24):
+    """Keyword-only flags, keyword arguments and Python flags stay out of the remat transform
+    (``nnx.remat`` refuses a keyword it cannot put in a position, and a flag traced as an array
+    cannot steer Python control flow); the step is the plain one's."""
+    step, args = make()
+    pure = functionalize(step, args)
+    plain = jax.jit(pure.fn).lower(*pure.args).compile(compiler_options=FAST_COMPILE)
+    state_out = 1 if pure.style == "nnx" else 0
+    expected = _losses(plain, _copy(pure.args), state_out)
+    made = recipe_step(*make(), mesh24, "dp/nothing_saveable")
+    assert len(made.blocks) == 2, made.blocks
+    text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+    assert len(re.findall(r"\b(?:checkpoint|remat2?)\[", text)) >= 2
+    placed = jax.device_put(_copy(made.pure.args), made.in_shardings)
+    compiled = made.jitted.lower(*made.pure.args).compile(compiler_options=FAST_COMPILE)
+    losses = _losses(compiled, placed, made.state_out)
+    assert np.allclose(losses, expected, rtol=1e-6, atol=0), (losses, expected)
