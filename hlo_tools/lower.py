@@ -5,11 +5,13 @@ Nothing is allocated: arguments may be ``jax.ShapeDtypeStruct`` leaves.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 from hlo_tools.graph import OpGraph, graph_from_text
 
-__all__ = ["lower_to_hlo", "lower_to_graph", "argument_paths"]
+__all__ = ["lower_to_hlo", "lower_to_graph", "argument_paths", "unrolled_random_bits"]
 
 
 def lower_to_hlo(fn, *args) -> str:
@@ -18,7 +20,35 @@ def lower_to_hlo(fn, *args) -> str:
     Unused arguments are kept (``keep_unused=True``) so that HLO parameter i is the i-th leaf of
     ``args``: the planner maps parameter nodes back to argument leaves by position.
     """
-    return jax.jit(fn, keep_unused=True).lower(*args).as_text(dialect="hlo", debug_info=True)
+    with unrolled_random_bits():
+        lowered = jax.jit(fn, keep_unused=True).lower(*args)
+    return lowered.as_text(dialect="hlo", debug_info=True)
+
+
+@contextlib.contextmanager
+def unrolled_random_bits():
+    """Lower Threefry (the random bits of ``jax.random`` and ``nnx.Rngs``: dropout, random
+    splits) as its rounds, unrolled, on the CPU too. JAX lowers it there to a five-iteration
+    ``while`` (a smaller program), which the operator graph cannot plan; elsewhere (GPU, TPU)
+    it lowers it unrolled already. The bits are the same. Without the lowering rules where
+    JAX 0.10-0.12 keep them, nothing changes."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random.threefry2x32 import threefry2x32_p
+        cpu = mlir._platform_specific_lowerings["cpu"]
+        unrolled = mlir._lowerings[threefry2x32_p]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+    rolled = cpu.get(threefry2x32_p)
+    cpu[threefry2x32_p] = unrolled
+    try:
+        yield
+    finally:
+        if rolled is None:
+            del cpu[threefry2x32_p]
+        else:
+            cpu[threefry2x32_p] = rolled
 
 
 def _component(key) -> str | int:

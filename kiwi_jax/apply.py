@@ -31,7 +31,7 @@ from hlo_tools.graph import OpGraph, Phase, graph_from_text
 from hlo_tools.lower import argument_paths, lower_to_hlo
 from kiwi_jax.interpret import (Interpreter, inlined_call, is_unit, program_order, scan_body,
                                 scan_layout, tag_of, trace_flat, unit_of)
-from kiwi_jax.sharding import to_partition_spec
+from kiwi_jax.sharding import of_value, to_partition_spec
 from kiwi_jax.step import PureStep, carried_state
 
 __all__ = ["TracedStep", "trace_for_planning", "in_program_order", "ORDERS", "check_order",
@@ -262,7 +262,7 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         target = constraints.get((path, k))
         if target is None or not hasattr(value, "shape"):
             return value
-        return jax.lax.with_sharding_constraint(value, target)
+        return jax.lax.with_sharding_constraint(value, _for_value(target, value))
 
     def target(path, source):
         """The spec the reader at ``path`` reads ``source`` in, where it is not the value's own
@@ -281,7 +281,8 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
 
     def reshard(path, source, value):
         spec = target(path, source)
-        return value if spec is None else jax.lax.with_sharding_constraint(value, sharding(spec))
+        return value if spec is None else jax.lax.with_sharding_constraint(
+            value, _for_value(sharding(spec), value))
 
     def resharded_for_itself(path, source) -> bool:
         return target(path, source) is not None
@@ -302,9 +303,20 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         return jax.tree.unflatten(traced.out_tree, interpreter(*jax.tree.leaves(args)))
 
     arg_tree = jax.tree.structure(traced.pure.args)
-    in_shardings = jax.tree.unflatten(arg_tree, [sharding(specs[p]) for p in graph.parameters])
-    out_shardings = jax.tree.unflatten(traced.out_tree, [sharding(specs[o]) for o in graph.outputs])
+    in_shardings = jax.tree.unflatten(arg_tree, [
+        _for_value(sharding(specs[p]), aval)
+        for p, aval in zip(graph.parameters, traced.closed.in_avals)])
+    out_shardings = jax.tree.unflatten(traced.out_tree, [
+        _for_value(sharding(specs[o]), aval)
+        for o, aval in zip(graph.outputs, traced.closed.out_avals)])
     return fn, in_shardings, out_shardings
+
+
+def _for_value(sharding: NamedSharding, like) -> NamedSharding:
+    """``sharding`` for the array ``like`` (:func:`kiwi_jax.sharding.of_value`: a PRNG key
+    array's spec covers its own dimensions only)."""
+    spec = of_value(sharding.spec, like)
+    return sharding if spec is sharding.spec else NamedSharding(sharding.mesh, spec)
 
 
 def recomputed_values(graph, recompute_nodes, fused: np.ndarray | None = None) -> set[int]:

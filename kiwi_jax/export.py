@@ -61,7 +61,7 @@ from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
 from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
 from kiwi_jax.recipe_specs import state_leaves
-from kiwi_jax.sharding import to_partition_spec
+from kiwi_jax.sharding import of_value, to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
 __all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
@@ -484,8 +484,9 @@ def export_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> Pl
     """The export of ``plan``, solved on ``build`` for ``traced`` on ``mesh``."""
     graph = traced.graph
     axes = tuple(mesh.axis_names)
-    specs = {path: to_partition_spec(plan.specs[node], axes)
-             for path, node in zip(leaf_paths(traced.pure.args), graph.parameters)}
+    specs = {path: of_value(to_partition_spec(plan.specs[node], axes), aval)
+             for path, node, aval in zip(leaf_paths(traced.pure.args), graph.parameters,
+                                         traced.closed.in_avals)}
 
     rules = fused_values(graph)
     if build.memory_model == "fused":

@@ -202,10 +202,13 @@ def place(args, shardings):
 
 def to_host(tree):
     """The values of a tree of arrays as numpy, gathered from every process where an array is
-    spread over several (a collective: every process must call it, in the same order)."""
+    spread over several (a collective: every process must call it, in the same order); a PRNG
+    key array as its key data."""
     from jax.experimental import multihost_utils
 
     def gather(x):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)

@@ -219,6 +219,19 @@ def to_partition_spec(spec: Spec, axis_names: tuple[str, str]):
         for axes in spec])
 
 
+def of_value(partition_spec, like):
+    """``partition_spec`` for the array ``like`` (an array, tracer or aval): itself, or for a
+    PRNG key array (``key<fry>[4]``) cut to the key array's own rank. The operator graph sees
+    a key as its data (``u32[4,2]``), and the planner's spec covers the data's trailing
+    dimensions too; JAX takes a key array's spec over its own dimensions only."""
+    import jax  # local: keeps this module importable without jax
+
+    dtype = getattr(like, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return partition_spec
+    return type(partition_spec)(*tuple(partition_spec)[:len(like.shape)])
+
+
 def from_partition_spec(partition_spec, rank: int, axis_names: tuple[str, str],
                         mesh: MeshSpec) -> Spec:
     """A ``jax.sharding.PartitionSpec`` of a rank-``rank`` tensor over the mesh's axis names as

@@ -458,6 +458,7 @@ def compare_numerics(prepared: Prepared, pure, steps: int, mesh) -> Numerics:
     beyond :data:`LEAF_TOLERANCE` from the plain step run data-parallel on ``mesh``, or on
     every local device when ``mesh`` has one (:func:`_floor_mesh`)."""
     plain_state, plain_out = _run(jax.jit(pure.fn), _copy(pure.args), steps, prepared.state_out)
+    plain_state = to_host(plain_state)
     placed = place(_copy(pure.args), prepared.in_shardings)
     state, out = _run(prepared.compiled, placed, steps, prepared.state_out)
     diffs = leaf_rel_diffs(to_host(state), plain_state)

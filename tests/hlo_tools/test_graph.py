@@ -9,7 +9,7 @@ from jax._src.lib import xla_client
 from hlo_tools.graph import Phase, UnsupportedOpError, graph_from_text
 from hlo_tools.hlo_text import DTYPE_BITS, HloParseError, parse_module, parse_shape
 from hlo_tools.liveness import liveness
-from hlo_tools.lower import lower_to_graph, lower_to_hlo
+from hlo_tools.lower import lower_to_graph, lower_to_hlo, unrolled_random_bits
 from kiwi_jax.frontend import trace_step
 from kiwi_jax.interpret import program_order, tag_of
 from kiwi_jax.models import build
@@ -178,6 +178,29 @@ def test_loops_and_conditionals_are_rejected_with_what_is_supported(fn, opcode, 
     with pytest.raises(UnsupportedOpError, match=f"'{opcode}'.*{advice}") as error:
         lower_to_graph(fn, jax.ShapeDtypeStruct((4,), jnp.float32))
     assert opcode != "while" or "lax.scan, nnx.scan, nn.scan" in str(error.value)
+
+
+def _dropout(x, key):
+    keep = jax.random.bernoulli(jax.random.fold_in(key, 3), 0.9, x.shape)
+    return jnp.sum(jnp.where(keep, x / 0.9, 0.0))
+
+
+def test_random_bits_are_planned_as_the_threefry_rounds_with_the_same_bits():
+    # on the CPU JAX lowers Threefry to a five-iteration while; lowered for the graph, the
+    # rounds are unrolled (as off the CPU), elementwise, and the bits are the same
+    args = (jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.uint32))
+    assert "while" in jax.jit(_dropout).lower(*args).as_text(dialect="hlo")
+    text = lower_to_hlo(_dropout, *args)
+    assert "while" not in text and "shift-left" in text
+    graph = lower_to_graph(_dropout, *args)
+    assert {n.opcode for n in graph.nodes} >= {"xor", "shift-left", "shift-right-logical"}
+    x, key = jnp.arange(128.0).reshape(8, 16), jax.random.PRNGKey(0)
+    rolled = jax.jit(_dropout).lower(x, key).compile()        # JAX's own rule is back
+    assert "while" in rolled.as_text()
+    with unrolled_random_bits():
+        unrolled = jax.jit(lambda *a: _dropout(*a)).lower(x, key).compile()
+    assert "while" not in unrolled.as_text()
+    assert float(unrolled(x, key)) == float(rolled(x, key))
 
 
 def _accuracy_step(w, x, labels):

@@ -150,6 +150,46 @@ def test_argmax_accuracy_and_top_k_routing_match_the_plain_step(make, opcode, me
     assert any(n.opcode == opcode and "#" in n.name for n in step.prepared.traced.graph.nodes)
 
 
+class _DropoutBlock(nnx.Module):
+    def __init__(self, dim, *, rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(self.down(nnx.gelu(self.up(self.norm(x)))))
+
+
+def test_a_step_with_dropout_plans_and_draws_the_plain_steps_bits(mesh24):
+    """``nnx.Dropout`` draws from the ``nnx.Rngs`` the model carries (a PRNG key array in the
+    step's state): JAX lowers Threefry to a ``while`` on the CPU, which the graph now sees
+    unrolled, and the key arrays' shardings cover their own dimensions only. The plan trains
+    as the plain step does, with the same masks."""
+    rngs = nnx.Rngs(0, dropout=1)
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=rngs), _DropoutBlock(16, rngs=rngs),
+                           _DropoutBlock(16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x, labels):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    args = (model, optimizer, jax.random.normal(jax.random.key(2), (16, 8)),
+            jax.random.randint(jax.random.key(3), (16,), 0, 4))
+    step = kiwi_jax.optimize(train_step, mesh=mesh24, memory_budget="100%", cache_dir=False,
+                             time_limit=60, fit_compiles=1, recipes=False)
+    report = step.verify(*args, steps=3)
+    assert report.numerics.ok, report.numerics.summary()
+    assert report.max_loss_rel_diff <= 1e-5 and report.max_param_rel_diff <= 1e-5
+    assert sum(n.opcode == "xor" for n in step.prepared.traced.graph.nodes) >= 20
+    applied = jax.tree.leaves(step.prepared.applied.in_shardings)   # the keys' specs too
+    assert list(step.export().specs.values()) == [s.spec for s in applied]
+
+
 def test_one_device_plans_recomputation_alone(mesh_factory):
     step, args = _step("gpt", mesh_factory((1, 1)), budget="2MiB", **SEARCH)
     report = step.verify(*args, steps=2)
