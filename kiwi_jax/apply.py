@@ -74,8 +74,9 @@ def carried_pairs(traced: TracedStep) -> tuple[tuple[int, int], ...]:
     if state_out is None:
         return ()
     graph, tree = traced.graph, traced.out_tree
-    counts = [len(jax.tree.leaves(sub, is_leaf=lambda x: x is None))
-              for sub in jax.tree.unflatten(tree, [None] * tree.num_leaves)]
+    # the outputs' arrays, output by output (a step that returns None besides the state has
+    # an output with none)
+    counts = [len(jax.tree.leaves(sub)) for sub in jax.tree.unflatten(tree, [0] * tree.num_leaves)]
     first = sum(counts[:state_out])
     return tuple((graph.outputs[first + k], graph.parameters[k])
                  for k in range(counts[state_out]))

@@ -190,6 +190,46 @@ def test_a_step_with_dropout_plans_and_draws_the_plain_steps_bits(mesh24):
     assert list(step.export().specs.values()) == [s.spec for s in applied]
 
 
+class _BatchNormCNN(nnx.Module):
+    def __init__(self, *, rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(8, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn1(self.conv1(x)))
+        x = x + nnx.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+def test_a_step_that_returns_nothing_and_updates_metrics_in_place(mesh24):
+    """The NNX tutorials' step: it returns nothing, the optimizer and an ``nnx.MultiMetric``
+    are updated in place, BatchNorm's statistics too (an output of no arrays came before the
+    state, and the state's leaves were looked up one place off)."""
+    model = _BatchNormCNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
+                                                 optax.sgd(0.1, momentum=0.9)), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+
+    def train_step(model, optimizer, metrics, batch):
+        def loss_fn(model):
+            logits = model(batch["image"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        metrics.update(loss=loss)
+        optimizer.update(model, grads)
+
+    batch = {"image": jax.random.normal(jax.random.key(1), (8, 8, 8, 3)),
+             "label": jnp.arange(8) % 10}
+    step = kiwi_jax.optimize(train_step, mesh=mesh24, memory_budget="100%", cache_dir=False,
+                             time_limit=60, fit_compiles=1, recipes=False)
+    report = step.verify(model, optimizer, metrics, batch, steps=3)
+    assert report.fits and report.numerics.ok, report.numerics.summary()
+    assert step.prepared.traced.state_out == 1
+
+
 def test_one_device_plans_recomputation_alone(mesh_factory):
     step, args = _step("gpt", mesh_factory((1, 1)), budget="2MiB", **SEARCH)
     report = step.verify(*args, steps=2)
