@@ -1,6 +1,6 @@
 """The numerics verdict of ``verify``: the loss within 1e-6 of the plain step, each state leaf
-within 1e-5 of it or within 10x its noise floor (the plain step data-parallel on the mesh
-against the plain step on one device)."""
+within 1e-5 of it, either or within 10x its noise floor (the plain step data-parallel on the
+mesh against the plain step on one device)."""
 
 import types
 
@@ -52,6 +52,10 @@ def test_the_verdict_of_a_leaf_and_of_the_loss():
     assert Numerics(3, 0.5, LOSS_TOLERANCE, (noisy,)).ok
     assert not Numerics(3, 0.0, 2 * LOSS_TOLERANCE).ok
     assert Numerics(3, 0.0, 0.0).to_dict()["beyond_tolerance"] == []
+    # a bfloat16 loss: beyond the tolerance, within 10x what data parallelism alone moves it
+    assert Numerics(3, 0.0, 3e-4, loss_floor=1.5e-4).ok
+    low = Numerics(3, 0.0, 3e-4, loss_floor=1e-6)
+    assert not low.ok and "FAILS: over 10x its noise floor (1.00e-06)" in low.summary()
 
 
 def test_the_data_parallel_step_is_within_its_own_noise_floor(mesh24):
