@@ -21,8 +21,10 @@ from experiments.common import (KIWI_TABLE2, STUDY_GAP, problem_of, pyplot, resu
                                 save_figure, write_result)
 
 DEPTHS = (1, 2, 4, 8, 12, 16, 20)
-QUICK = {"model": "mlp", "depths": (2, 3), "mesh": "2x2",
+QUICK = {"model": "mlp", "depths": (2, 3), "mesh": "1x4",
          "config": {"batch": 256, "width": 128, "in_dim": 128, "out_dim": 128}}
+"""The smoke run (``--quick``): on 1x4 its solves take 7 s, on 2x2 38 s, to plans of the same
+normalised steps (1.1473 and 1.2639 at 90%)."""
 
 
 def _solve_row(problem, solver, fraction, reference, reuse, time_limit) -> dict:
@@ -103,7 +105,7 @@ def plot(rows: list[dict], path, time_limit: float) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="MLPs of depth 2 and 3 on 2x2")
+    parser.add_argument("--quick", action="store_true", help="MLPs of depth 2 and 3 on 1x4")
     parser.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS))
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")

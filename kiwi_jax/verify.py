@@ -90,7 +90,7 @@ class Numerics:
     run data-parallel on the mesh. A leaf whose gradient is rounding noise (an attention key
     bias, which softmax cancels) differs between any two shardings once Adam normalises it; a
     loss computed in bfloat16 differs between any two orders of its sums (the plain step
-    data-parallel on 2x4 against one device: 2e-4 on a Linen model with ``dtype=bfloat16``).
+    data-parallel on 2x4 against one device: 1.5e-4 on a Linen model with ``dtype=bfloat16``).
     The floor says how much. It is measured only when something is beyond its tolerance."""
 
     steps: int
