@@ -59,8 +59,8 @@ def test_mesh_sweep_quick(results, capsys):
     compiled = [r for r in result["compiled"][0]["rows"] if r["feasible"]]
     assert compiled and all(r["compiled_peak_bytes"] > 0 for r in compiled)
     assert (results / "mesh_sweep_compiled.png").exists()
-    assert "| mlp | 2x2 |" in report.mesh_table(result)
-    assert report.compiled_table(result).count("| mlp | 2x2 |") == len(compiled)
+    assert "| mlp | 1x4 |" in report.mesh_table(result)
+    assert report.compiled_table(result).count("| mlp | 1x4 |") == len(compiled)
 
 
 def test_bandwidth_sweep_quick(results, capsys):
