@@ -191,13 +191,15 @@ def _nnx_blocks(objects, wanted: dict, calls: list):
 
 def _arrays_through(remat, fn):
     """``fn(module, *a, **k)`` under ``remat`` (a function transform of ``f(module, *arrays)``)
-    with only the arrays of ``a`` and ``k`` passed through it; the rest (keyword arguments'
-    Python values, a ``train`` or ``deterministic`` flag) is closed over. ``nnx.remat`` refuses
-    keywords it cannot put in positions (a keyword-only ``deterministic=True``), and a flag
-    passed through ``jax.checkpoint`` arrives traced, so Python cannot branch on it."""
+    with only the arrays (and NNX objects) of ``a`` and ``k`` passed through it; the rest
+    (keyword arguments' Python values, a ``train`` or ``deterministic`` flag) is closed over.
+    ``nnx.remat`` refuses keywords it cannot put in positions (a keyword-only
+    ``deterministic=True``), and a flag passed through ``jax.checkpoint`` arrives traced, so
+    Python cannot branch on it."""
     def call(module, *a, **k):
-        leaves, tree = jax.tree.flatten((a, k))
-        arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+        leaves, tree = jax.tree.flatten((a, k), is_leaf=nnx.graph.is_graph_node)
+        arrays = [i for i, leaf in enumerate(leaves)
+                  if isinstance(leaf, (jax.Array, np.ndarray)) or nnx.graph.is_graph_node(leaf)]
 
         def body(mdl, *given):
             filled = list(leaves)

@@ -254,15 +254,15 @@ def test_cli_compare_rejects_bad_options(argv, message, capsys):
 
 
 class _KeywordBlock(nnx.Module):
-    """A block as Flax examples write them: a keyword-only flag with a default, and a
-    keyword argument the model passes."""
+    """A block as Flax examples write them: a keyword-only flag with a default, a keyword
+    argument the model passes, and a module shared by the blocks, passed by keyword."""
 
     def __init__(self, dim, *, rngs):
         self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
         self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
 
-    def __call__(self, x, *, scale=1.0, deterministic: bool = True):
-        h = nnx.gelu(self.up(x))
+    def __call__(self, x, *, scale=1.0, shared=None, deterministic: bool = True):
+        h = nnx.gelu(self.up(shared(x)))
         if not deterministic:
             h = h * 0.5
         return x + scale * self.down(h)
@@ -271,11 +271,12 @@ class _KeywordBlock(nnx.Module):
 class _KeywordModel(nnx.Module):
     def __init__(self, dim=16, *, rngs):
         self.blocks = nnx.List([_KeywordBlock(dim, rngs=rngs) for _ in range(2)])
+        self.shared = nnx.Linear(dim, dim, rngs=rngs)
         self.head = nnx.Linear(dim, 1, rngs=rngs)
 
     def __call__(self, x):
         for block in self.blocks:
-            x = block(x, scale=0.5)
+            x = block(x, scale=0.5, shared=self.shared)
         return self.head(x)
 
 
