@@ -1,6 +1,6 @@
 """The numerics verdict of ``verify``: the loss within 1e-6 of the plain step, each state leaf
-within 1e-5 of it, either or within 10x its noise floor (the plain step data-parallel on the
-mesh against the plain step on one device)."""
+within 1e-5 of it; either, beyond that, within 10x its noise floor (the plain step
+data-parallel on the mesh against the plain step on one device)."""
 
 import types
 
