@@ -6,6 +6,7 @@ Nothing is allocated: arguments may be ``jax.ShapeDtypeStruct`` leaves.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 
@@ -20,8 +21,11 @@ def lower_to_hlo(fn, *args) -> str:
     Unused arguments are kept (``keep_unused=True``) so that HLO parameter i is the i-th leaf of
     ``args``: the planner maps parameter nodes back to argument leaves by position.
     """
+    # a fresh function (its name kept for the op_names): JAX keeps lowerings by function, and
+    # one lowered before with its own Threefry rule would come back with the loop
+    fresh = functools.wraps(fn)(lambda *a: fn(*a))
     with unrolled_random_bits():
-        lowered = jax.jit(fn, keep_unused=True).lower(*args)
+        lowered = jax.jit(fresh, keep_unused=True).lower(*args)
     return lowered.as_text(dialect="hlo", debug_info=True)
 
 
