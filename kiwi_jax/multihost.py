@@ -29,6 +29,8 @@ import zlib
 import jax
 import numpy as np
 
+from kiwi_jax.sharding import is_prng_key
+
 __all__ = ["PlanMismatchError", "PlanExchangeError", "Exchange", "exchange", "place",
            "to_host", "CHUNK_BYTES"]
 
@@ -207,7 +209,7 @@ def to_host(tree):
     from jax.experimental import multihost_utils
 
     def gather(x):
-        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        if is_prng_key(x):
             x = jax.random.key_data(x)
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -22,7 +22,7 @@ from kiwi_jax.cluster import Cluster, Link, MeshSpec
 
 __all__ = ["Spec", "Comm", "enumerate_specs", "replicated", "spec_str", "shard_count",
            "local_bytes", "collective_seconds", "comm_seconds", "reshard_comms", "gathers_whole",
-           "to_partition_spec", "from_partition_spec"]
+           "to_partition_spec", "from_partition_spec", "of_value", "is_prng_key"]
 
 Spec = tuple[tuple[int, ...], ...]
 
@@ -224,12 +224,18 @@ def of_value(partition_spec, like):
     PRNG key array (``key<fry>[4]``) cut to the key array's own rank. The operator graph sees
     a key as its data (``u32[4,2]``), and the planner's spec covers the data's trailing
     dimensions too; JAX takes a key array's spec over its own dimensions only."""
+    if not is_prng_key(like):
+        return partition_spec
+    return type(partition_spec)(*tuple(partition_spec)[:len(like.shape)])
+
+
+def is_prng_key(like) -> bool:
+    """Whether ``like`` (an array, tracer or aval; anything else is not) is a PRNG key array
+    (``jax.random.key``, the keys of ``nnx.Rngs``)."""
     import jax  # local: keeps this module importable without jax
 
     dtype = getattr(like, "dtype", None)
-    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return partition_spec
-    return type(partition_spec)(*tuple(partition_spec)[:len(like.shape)])
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def from_partition_spec(partition_spec, rank: int, axis_names: tuple[str, str],

@@ -60,6 +60,12 @@ FLOOR_FACTOR = 10.0
 within this many times its noise floor."""
 
 
+def _within(diff: float, tolerance: float, floor: float) -> bool:
+    """A difference from the plain step passes: within ``tolerance``, or within
+    :data:`FLOOR_FACTOR` times its noise ``floor``."""
+    return diff <= tolerance or diff <= FLOOR_FACTOR * floor
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafDiff:
     """One state leaf's relative difference from the plain step, beside its noise floor."""
@@ -73,7 +79,7 @@ class LeafDiff:
 
     @property
     def ok(self) -> bool:
-        return self.diff <= LEAF_TOLERANCE or self.diff <= FLOOR_FACTOR * self.floor
+        return _within(self.diff, LEAF_TOLERANCE, self.floor)
 
     def to_dict(self) -> dict:
         return {"path": self.path, "diff": self.diff, "floor": self.floor, "ok": self.ok}
@@ -106,8 +112,7 @@ class Numerics:
 
     @property
     def loss_ok(self) -> bool:
-        return self.max_loss_rel_diff <= LOSS_TOLERANCE \
-            or self.max_loss_rel_diff <= FLOOR_FACTOR * self.loss_floor
+        return _within(self.max_loss_rel_diff, LOSS_TOLERANCE, self.loss_floor)
 
     @property
     def failing(self) -> tuple:
