@@ -30,7 +30,7 @@ from hlo_tools.layers import find_layers, path_components
 from solvers.phase import Phase
 
 __all__ = ["Phase", "Node", "OpGraph", "UnsupportedOpError", "build_graph", "graph_from_text",
-           "op_flops", "conv_labels", "ZERO_FLOP_OPCODES"]
+           "op_flops", "conv_labels", "ZERO_FLOP_OPCODES", "RANDOM_BITS_TARGET"]
 
 UNSUPPORTED_CONTROL_FLOW = frozenset({"while", "conditional", "async-start", "send", "recv"})
 _SCANS = ("kiwi-jax plans scans (lax.scan, nnx.scan, nn.scan, fori_loop with static bounds) by "
@@ -55,6 +55,10 @@ ZERO_FLOP_OPCODES = frozenset({
     "opt-barrier", "reverse", "gather",
 })
 _LAYER = re.compile(r"layer_(\d+)")
+RANDOM_BITS_TARGET = "kiwi_threefry2x32_ffi"
+"""The custom call the planner's lowering makes of each Threefry draw
+(:func:`hlo_tools.lower.random_bits_as_one_operator`): elementwise over its four operands of
+one shape (two key words broadcast, two counters), two words of bits as its results."""
 
 
 class UnsupportedOpError(HloParseError):
@@ -94,6 +98,12 @@ class Node:
     def nbytes(self) -> int:
         """Bytes of the full (unsharded) result."""
         return self.shape.nbytes
+
+    @property
+    def is_random_bits(self) -> bool:
+        """One result of a Threefry draw lowered as one operator (:data:`RANDOM_BITS_TARGET`)."""
+        return self.opcode == "custom-call" and \
+            self.attrs.get("custom_call_target", "").strip('"') == RANDOM_BITS_TARGET
 
     def int_list(self, key: str) -> tuple[int, ...]:
         raw = self.attrs.get(key, "").strip("{} ")

@@ -470,7 +470,7 @@ def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster
       ``supported=False`` so the caller can warn once, naming them.
     """
     ctx = _Ctx(graph, node, mesh, cluster, latency_share, fused)
-    builder = _BUILDERS.get(node.opcode)
+    builder = _elementwise if node.is_random_bits else _BUILDERS.get(node.opcode)
     if builder is not None:
         strategies = builder(ctx)
         if strategies:

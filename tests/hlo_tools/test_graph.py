@@ -9,11 +9,13 @@ from jax._src.lib import xla_client
 from hlo_tools.graph import Phase, UnsupportedOpError, graph_from_text
 from hlo_tools.hlo_text import DTYPE_BITS, HloParseError, parse_module, parse_shape
 from hlo_tools.liveness import liveness
-from hlo_tools.lower import lower_to_graph, lower_to_hlo, unrolled_random_bits
+from hlo_tools.lower import lower_to_graph, lower_to_hlo
+from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.frontend import trace_step
 from kiwi_jax.interpret import program_order, tag_of
 from kiwi_jax.models import build
 from kiwi_jax.problem import build_problem
+from kiwi_jax.strategies import node_strategies
 
 
 @pytest.fixture(scope="module")
@@ -185,23 +187,29 @@ def _dropout(x, key):
     return jnp.sum(jnp.where(keep, x / 0.9, 0.0))
 
 
-def test_random_bits_are_planned_as_the_threefry_rounds_with_the_same_bits():
-    # on the CPU JAX lowers Threefry to a five-iteration while; lowered for the graph, the
-    # rounds are unrolled (as off the CPU), elementwise, and the bits are the same, also after
-    # the same function was lowered with JAX's own rule (JAX keeps that lowering)
+def test_each_random_draw_is_one_operator_of_two_results():
+    # on the CPU JAX lowers Threefry to a five-iteration while (elsewhere to twenty rounds of
+    # elementwise operators); lowered for the graph, each draw is one custom call, elementwise,
+    # whose two results are the two words of bits, also after the same function was lowered
+    # with JAX's own rule (JAX keeps that lowering), and JAX's own rule is back afterwards
     args = (jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.uint32))
     assert "while" in jax.jit(_dropout, keep_unused=True).lower(*args).as_text(dialect="hlo")
     text = lower_to_hlo(_dropout, *args)
-    assert "while" not in text and "shift-left" in text
+    assert "while" not in text and "shift-left" not in text
     graph = lower_to_graph(_dropout, *args)
-    assert {n.opcode for n in graph.nodes} >= {"xor", "shift-left", "shift-right-logical"}
+    draws = [n for n in graph.nodes if n.is_random_bits]
+    # fold_in's draw on the key, then the bits of the mask's shape
+    assert [(n.name[-2:], str(n.shape)) for n in draws] == [
+        ("#0", "u32[1]"), ("#1", "u32[1]"), ("#0", "u32[8,16]"), ("#1", "u32[8,16]")]
+    assert all(len(n.operands) == 4 and
+               all(graph.nodes[o].shape.dims == n.shape.dims for o in n.operands) for n in draws)
+    assert len(graph) < 100                             # 376 nodes as the rounds
+    strategies, supported = node_strategies(graph, draws[-1], MeshSpec.parse("2x4"),
+                                            Cluster.parse("v100-nvlink"))
+    assert supported and len(strategies) > 1           # split like an elementwise operator
+    assert all(s.operands == (s.out,) * 4 for s in strategies)
     x, key = jnp.arange(128.0).reshape(8, 16), jax.random.PRNGKey(0)
-    rolled = jax.jit(_dropout).lower(x, key).compile()        # JAX's own rule is back
-    assert "while" in rolled.as_text()
-    with unrolled_random_bits():               # a new function: not the kept lowering
-        unrolled = jax.jit(lambda *a: _dropout(*a)).lower(x, key).compile()
-    assert "while" not in unrolled.as_text()
-    assert float(unrolled(x, key)) == float(rolled(x, key))
+    assert "while" in jax.jit(lambda *a: _dropout(*a)).lower(x, key).as_text()
 
 
 def _accuracy_step(w, x, labels):
