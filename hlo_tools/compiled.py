@@ -334,7 +334,8 @@ class LiveBuffer:
     """An entry parameter (an argument of the step)."""
 
 
-_ALLOCATION_RE = re.compile(r"^allocation (?P<id>\d+): size (?P<size>\d+), (?P<kinds>.*):$")
+_ALLOCATION_RE = re.compile(r"^allocation (?P<id>\d+): size (?P<size>\d+), (?:page \d+, )?"
+                            r"(?P<kinds>.*):$")          # jax 0.12 names the page first
 _VALUE_RE = re.compile(r"<\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})? @[^>]*> "
                        r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\)")
 _RANGE_RE = re.compile(r"^\s+(?P<value>[\w.\-]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$", re.M)

@@ -22,6 +22,7 @@ from kiwi_jax.export import (LayerPolicy, PlanExport, compile_applied, compile_e
 from kiwi_jax.fit import FitStop
 from kiwi_jax.recipes import compile_recipe
 from tests.kiwi_jax import named_model
+from tests.scenario import arises
 
 
 def _mesh(shape):
@@ -101,9 +102,23 @@ def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
         loss, state = jitted(state, tokens)
         expected, plain_state = plain(plain_state, tokens)
         np.testing.assert_allclose(loss, expected, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain_state)):
+    for got, want in zip(_without_key_biases(state), _without_key_biases(plain_state)):
         assert float(jnp.linalg.norm(got - want)) <= 1e-5 * max(float(jnp.linalg.norm(want)),
                                                                 1e-30)
+
+
+def _without_key_biases(state) -> list:
+    """The state's leaves, each qkv bias without its key third. Softmax cancels a key bias: its
+    gradient is rounding noise, which Adam scales to steps of the learning rate, so any change
+    of XLA's fusion moves it (on jax 0.12, 1.2-3.2% of those biases' norm after two steps)."""
+    leaves = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if "['qkv']['bias']" in jax.tree_util.keystr(path):
+            third = leaf.shape[-1] // 3
+            leaf = jnp.concatenate([leaf[..., :third], leaf[..., 2 * third:]], axis=-1)
+        leaves.append(leaf)
+    assert len(leaves) == len(jax.tree.leaves(state))
+    return leaves
 
 
 def test_the_exported_specs_are_the_applied_steps_input_shardings():
@@ -193,7 +208,8 @@ def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_sm
     blocks = compile_exported(step, args, mesh, export).memory.peak_bytes
     values = compile_plan(prepared.traced, prepared.build, plan, mesh,
                           prepared.traced.pure).memory.peak_bytes
-    assert values > plan.budget_bytes >= blocks
+    arises(values > plan.budget_bytes, "the plan compiles over its budget value by value")
+    assert plan.budget_bytes >= blocks
     assert applied.program == "blocks" and applied.memory.peak_bytes == blocks
 
 
@@ -228,7 +244,8 @@ def test_on_a_mesh_the_settled_plan_runs_as_its_export_where_that_is_faster_in_t
     prepared = optimized.lower(*args)
     plan, applied = prepared.plan, prepared.applied
     assert plan.recomputed and applied.program == "blocks"
-    assert applied.memory.peak_bytes <= plan.budget_bytes
+    arises(applied.memory.peak_bytes <= plan.budget_bytes,
+           "the whole-block recomputation fits within one compile")
     own = compile_applied(step, args, prepared.traced, prepared.build, plan, mesh24,
                           prepared.traced.pure, budget_bytes=plan.budget_bytes, blocks=False)
     assert own.program != "blocks"
