@@ -236,6 +236,8 @@ def _cmd_verify(args) -> dict:
     from kiwi_jax.optimize import optimize
     from kiwi_jax.step import functionalize
 
+    if args.fit_seconds is not None and args.fit_seconds < 0:
+        raise UsageError(f"--fit-seconds: expected seconds >= 0, got {args.fit_seconds:g}")
     ref = _reference(args)
     shape = MeshSpec.parse(args.mesh).shape
     _initialize_distributed(args)
@@ -250,7 +252,7 @@ def _cmd_verify(args) -> dict:
                     mip_gap=args.gap, reuse_layers=args.reuse_layers,
                     cache_dir=False if args.no_cache else args.cache_dir,
                     memory_model=args.memory_model, order=args.order,
-                    fit_compiles=args.fit_compiles,
+                    fit_compiles=args.fit_compiles, fit_seconds=args.fit_seconds,
                     recipes=_verify_recipes(args))
     concrete = (*ref.init(0), ref.batch(0))
     out = {"model": args.model, "mesh": args.mesh, "solver": args.solver,
@@ -429,6 +431,9 @@ def main(argv=None) -> int:
     verify.add_argument("--fit-compiles", type=int, default=FIT_COMPILES,
                         help="most compiles spent searching the solver's budget against the "
                         "compiled step (0: none; default %(default)s)")
+    verify.add_argument("--fit-seconds", type=float, default=None,
+                        help="seconds that search may run before it stops at the fastest plan "
+                        "that fits once compiled (default: no deadline)")
     verify.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
                         help="recipes compiled and set against kiwi's compiled plan, the "
                         "faster that fits the budget runs (default: all twelve)")

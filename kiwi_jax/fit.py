@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import time
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
@@ -124,6 +125,9 @@ class FitStop(enum.Enum):
     too, estimated faster: solved with no memory limit where the search's plan was as fast as
     its plan with none (memory does not bind), else under the search's solver budget (set by
     the decorator, :meth:`kiwi_jax.optimize.OptimizedStep._free_layouts`)."""
+    DEADLINE = "deadline"
+    """A plan that fits is in hand and the search's ``deadline`` has passed: no more solves.
+    Until a plan fits, the deadline does not stop the search (only ``max_compiles`` does)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +275,8 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
                max_solves: int | None = None, tolerance: float = BAND,
                resolution: float = RESOLUTION, step_tolerance: float = 1e-6,
                beaten: Callable[[P], bool] | None = None,
-               seconds: Callable[[P], float] | None = None) -> FitResult[P]:
+               seconds: Callable[[P], float] | None = None,
+               deadline: float | None = None) -> FitResult[P]:
     """Search the solver's budget until the compiled step fits ``budget`` and uses it.
 
     Args:
@@ -305,6 +310,8 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
         at hidden 1024 on 4x2 for 638,129,964 B, plans predicted at 29.375 and 29.449 ms
         compiled to 633.0 MB at an estimated 22.273 ms and 598.5 MB at 21.994 ms. None: the
         predicted step alone.
+      deadline: a ``time.perf_counter()`` after which, once a plan fits, no solve starts
+        (:attr:`FitStop.DEADLINE`); a solve under way runs to its own time limit. None: none.
 
     Returns:
       The fastest plan that fit (lowest estimated step with ``seconds``, then lowest predicted
@@ -342,6 +349,10 @@ def fit_budget(budget: int, solve: Callable[[int], P | None], compile: Callable[
     while True:
         if ceiling is not None and guess >= ceiling:
             plan = fastest
+        elif lo is not None and deadline is not None and time.perf_counter() >= deadline:
+            log.info("fit: the search's deadline has passed; it keeps the plans that fit")
+            stop = FitStop.DEADLINE
+            break
         elif solves >= max_solves:
             stop = FitStop.SOLVES
             break

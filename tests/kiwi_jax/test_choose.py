@@ -80,6 +80,11 @@ def test_the_cli_names_a_bad_recipe_before_any_work(capsys):
     assert "unknown recipe 'fsdp/dots'; the recipes are dp" in capsys.readouterr().err
 
 
+def test_the_cli_refuses_a_negative_fit_deadline_before_any_work(capsys):
+    assert cli.main(["verify", "--model", "mlp", "--fit-seconds", "-5"]) == 2
+    assert "--fit-seconds: expected seconds >= 0, got -5" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the decorator
 def test_a_faster_recipe_runs_and_matches_the_plain_step(mesh24):
     """The GPT: ``tp`` fits and is estimated faster than kiwi's plan (which fits too), so

@@ -4,6 +4,7 @@ random monotone and non-monotone responses."""
 import dataclasses
 import json
 import random
+import time
 
 import pytest
 
@@ -79,6 +80,19 @@ def test_the_plans_that_fit_are_ranked_by_their_compiled_estimate():
     assert [t.compiled_step_seconds for t in result.record.trials] == [0.95, 0.85, 0.9]
     assert result.plan.name == "C" and result.record.solver_budget_bytes == 885
     assert FitRecord.from_dict(json.loads(json.dumps(result.record.to_dict()))) == result.record
+
+
+def test_past_its_deadline_the_search_stops_once_a_plan_fits():
+    # the search above with its deadline already passed: the plan over the budget does not stop
+    # it, the first plan that fits does (C at 0.88, where B at 0.99 was one solve away)
+    land = Landscape(FakePlan("A", 1000, 1.0, 1100), FakePlan("B", 900, 1.1, 990),
+                     FakePlan("C", 800, 1.2, 880))
+    result = land.fit(1000, deadline=time.perf_counter())
+    assert land.solved == [1000, 885]
+    assert result.plan.name == "C" and result.record.stop == FitStop.DEADLINE
+    assert result.record.fits and "(stopped: deadline)" in result.record.describe()
+    later = Landscape(*land.plans)
+    assert later.fit(1000, deadline=time.perf_counter() + 3600).plan.name == "B"
 
 
 def test_under_by_more_than_the_band_loosens():

@@ -433,6 +433,13 @@ def test_negative_fit_compiles_is_refused(mesh24):
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", fit_compiles=-1)
 
 
+@pytest.mark.parametrize("fit_seconds", [-1.0, "60"])
+def test_a_fit_deadline_that_is_not_seconds_is_refused(mesh24, fit_seconds):
+    with pytest.raises(ValueError, match=r"fit_seconds: expected seconds >= 0 or None"):
+        kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB",
+                          fit_seconds=fit_seconds)
+
+
 def test_unknown_memory_model_is_named(mesh24):
     with pytest.raises(ValueError, match=r"unknown memory_model 'xla'.*'auto', 'operator'"):
         kiwi_jax.optimize(lambda s, b: s, mesh=mesh24, memory_budget="1GiB", memory_model="xla")
