@@ -105,6 +105,13 @@ class Node:
         return self.opcode == "custom-call" and \
             self.attrs.get("custom_call_target", "").strip('"') == RANDOM_BITS_TARGET
 
+    @property
+    def is_sharding_annotation(self) -> bool:
+        """JAX's ``Sharding`` custom call: its one operand as it is, with a sharding for the
+        partitioner (JAX puts one on each PRNG key array the step takes or returns)."""
+        return self.opcode == "custom-call" and len(self.operands) == 1 and \
+            self.attrs.get("custom_call_target", "").strip('"') == "Sharding"
+
     def int_list(self, key: str) -> tuple[int, ...]:
         raw = self.attrs.get(key, "").strip("{} ")
         return tuple(int(v) for v in raw.split(",") if v.strip())

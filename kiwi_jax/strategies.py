@@ -470,7 +470,8 @@ def node_strategies(graph: OpGraph, node: Node, mesh: MeshSpec, cluster: Cluster
       ``supported=False`` so the caller can warn once, naming them.
     """
     ctx = _Ctx(graph, node, mesh, cluster, latency_share, fused)
-    builder = _elementwise if node.is_random_bits else _BUILDERS.get(node.opcode)
+    builder = _elementwise if node.is_random_bits or node.is_sharding_annotation \
+        else _BUILDERS.get(node.opcode)
     if builder is not None:
         strategies = builder(ctx)
         if strategies:

@@ -164,9 +164,10 @@ class _DropoutBlock(nnx.Module):
 
 def test_a_step_with_dropout_plans_and_draws_the_plain_steps_bits(mesh24):
     """``nnx.Dropout`` draws from the ``nnx.Rngs`` the model carries (a PRNG key array in the
-    step's state): JAX lowers Threefry to a ``while`` on the CPU, which the graph sees as one
-    operator per draw, and the key arrays' shardings cover their own dimensions only. The
-    plan trains as the plain step does, with the same masks."""
+    step's state): the graph sees one operator per draw, the key arrays' shardings cover
+    their own dimensions only, and the sharding annotation JAX puts on each key array has the
+    strategies of its operand (no operator is left without a rule). The plan trains as the
+    plain step does, with the same masks."""
     rngs = nnx.Rngs(0, dropout=1)
     model = nnx.Sequential(nnx.Linear(8, 16, rngs=rngs), _DropoutBlock(16, rngs=rngs),
                            _DropoutBlock(16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs))
@@ -189,6 +190,8 @@ def test_a_step_with_dropout_plans_and_draws_the_plain_steps_bits(mesh24):
     # three draws per dropout (the split of its key, fold-in's, the mask's), each one operator
     # of two results
     assert sum(n.is_random_bits for n in step.prepared.traced.graph.nodes) >= 4
+    assert any(n.is_sharding_annotation for n in step.prepared.traced.graph.nodes)
+    assert not step.prepared.build.unsupported
     applied = jax.tree.leaves(step.prepared.applied.in_shardings)   # the keys' specs too
     assert list(step.export().specs.values()) == [s.spec for s in applied]
 
