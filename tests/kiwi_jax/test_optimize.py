@@ -292,9 +292,11 @@ def test_a_budget_under_the_models_smallest_peak_runs_what_compiles_smallest(mes
                               memory_model="operator", **quick)
     ran = under.lower(*ref.abstract_init(), ref.abstract_batch())
     # the error's search, kept: its bound was 19,035,410 B alone on one core (18 s of the exact
-    # form, at the time limit); beside the other test worker once 18,969,874 B
+    # form, at the time limit); beside the other test worker once 18,969,874 B, and under more
+    # load 17,668,435 B (a bound proven in the time limit: weaker the less time the solver
+    # gets; the decorator's own solve proved 18 MB infeasible)
     lower, fitting = solvers.min_feasible_budget(ran.build.problem, time_limit=40.0)
-    assert 18_000_000 < lower <= 25_000_000 and lower <= fitting
+    assert lower <= 25_000_000 and 18_000_000 < fitting and lower <= fitting
     assert ran.plan.fit.fits and device_memory(ran.compiled).peak_bytes <= 18_000_000
     assert ran.plan.fit.stop == FitStop.BLOCKS and ran.plan.fit.trials[0].compiled_peak_bytes \
         > 18_000_000
