@@ -10,10 +10,17 @@ a decoder's); while the step is traced, each block module's ``__call__`` runs un
 - Flax Linen: ``flax.linen.intercept_methods`` runs the block modules' ``__call__`` (found by
   their scope path) under ``nn.checkpoint(policy=...)``.
 
+Layers stacked for a scan (``nn.scan``, ``nnx.scan`` over ``nnx.vmap``-made layers, a
+``jax.lax.scan`` over stacked weights) are not separate modules: :func:`with_scan_policy` puts
+the scan's body under the policy instead, as ``nn.remat`` / ``nnx.remat`` inside the scanned
+body does. While the step is traced, ``jax.lax.scan`` (which ``nn.scan`` and ``nnx.scan`` call)
+runs the body of each scan over the stacked layers (a scanned input of a stacked parameter's
+shape, stacked along the scan) under ``jax.checkpoint(policy=..., prevent_cse=False)``; scans
+inside that body, and scans over other inputs (micro-batches), run as written.
+
 A step decorated with ``jax.jit`` is traced through its Python function (``__wrapped__``):
-jit's cache would otherwise reuse a trace made without the policy. A model whose blocks are
-not separate sub-trees (layers stacked for ``nn.scan`` or
-``nnx.scan``) or whose block modules are never called raises :class:`BlockPolicyError`.
+jit's cache would otherwise reuse a trace made without the policy. A model whose block modules
+(or scans over stacked layers) are never called raises :class:`BlockPolicyError`.
 
 References:
   Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), sec. 4 (per-segment
@@ -33,9 +40,11 @@ from flax import linen as nn
 from flax import nnx
 
 from hlo_tools.layers import parameter_stacks
-from kiwi_jax.recipe_specs import StateLeaves
+from kiwi_jax.recipe_specs import StateLeaves, data_flow, parameters, state_leaves
+from kiwi_jax.step import PureStep
 
-__all__ = ["POLICIES", "BlockPolicyError", "block_paths", "with_block_policy"]
+__all__ = ["POLICIES", "BlockPolicyError", "block_paths", "with_block_policy",
+           "stacked_layers", "with_scan_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +110,9 @@ def with_block_policy(train_step, args, style: str, paths: list[tuple], policy,
         when no block module was called.
     """
     if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: expected one of "
-                             f"{', '.join(POLICIES)}")
-        if policy == "none" and (constrain is None or not paths):
+        named = _named(policy)
+        if named is None and (constrain is None or not paths):
             return train_step
-        named = getattr(jax.checkpoint_policies, policy) if policy != "none" else None
         policies = [named] * len(paths)
     else:
         policies = list(policy)
@@ -252,3 +258,114 @@ def _linen_interceptor(wanted: dict, calls: list):
             active.pop()
 
     return interceptor
+
+
+def _named(policy: str):
+    """The ``jax.checkpoint`` policy of one of :data:`POLICIES` (None for ``none``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    return getattr(jax.checkpoint_policies, policy) if policy != "none" else None
+
+
+def stacked_layers(pure: PureStep, looped=None) -> frozenset:
+    """``(shape, dtype)`` of the parameters the step reads inside a loop: layers stacked for a
+    scan. Empty when it reads none that way.
+
+    Args:
+      looped: those parameters' leaf indices, where known
+        (:attr:`kiwi_jax.recipe_specs.DataFlow.looped`); else they are found
+        (:func:`kiwi_jax.recipe_specs.data_flow`, a trace of the step).
+    """
+    if looped is None:
+        looped = data_flow(pure, parameters(state_leaves(pure))).looped
+    flat = jax.tree.leaves(pure.args)
+    return frozenset((tuple(flat[i].shape), str(flat[i].dtype)) for i in looped)
+
+
+def with_scan_policy(train_step, stacked: frozenset, policy, constrain=None):
+    """``train_step`` with the body of each scan over stacked layers under
+    ``jax.checkpoint(policy=...)`` while it is traced (see the module docstring).
+
+    Args:
+      stacked: :func:`stacked_layers`: a scan whose scanned inputs hold an array of one of
+        these shapes and dtypes, stacked along the scan (its leading dimension the scan's
+        length), is a scan over the layers.
+      policy: one of :data:`POLICIES`, or a ``jax.checkpoint`` policy (a callable, an exported
+        plan's: :mod:`kiwi_jax.export`).
+      constrain: applied to every array of the body's carry, on the way in and out (the
+        activations at the layers' boundaries), or None.
+
+    Raises:
+      BlockPolicyError: no stacked layers; the traced step then raises it too when no scan
+        over them was called through ``jax.lax.scan``.
+    """
+    chosen = _named(policy) if isinstance(policy, str) else policy
+    if chosen is None and constrain is None:
+        return train_step
+    if not stacked:
+        raise BlockPolicyError("the step reads no parameters inside a scan, so there is no "
+                               "scanned body to put under a policy")
+    while hasattr(train_step, "__wrapped__"):      # a jitted step: trace its Python function
+        train_step = train_step.__wrapped__
+
+    def step(*call_args):
+        calls: list = []
+        with _scanned_layers(stacked, chosen, constrain, calls):
+            result = train_step(*call_args)
+        if not calls:
+            raise BlockPolicyError(
+                "the step's stacked layers were not scanned through jax.lax.scan while it was "
+                "traced (nn.scan and nnx.scan call it), so their policy could not be applied; "
+                "put jax.checkpoint(policy=...) (nn.remat / nnx.remat) around the scanned body "
+                "in the model, or use the policy 'none'")
+        return result
+
+    return step
+
+
+@contextlib.contextmanager
+def _scanned_layers(stacked: frozenset, policy, constrain, calls: list):
+    """``jax.lax.scan`` running the body of each outermost scan over ``stacked`` layers under
+    ``policy`` and ``constrain`` (:func:`with_scan_policy`); each such scan's length is
+    appended to ``calls``."""
+    original = jax.lax.scan
+    inside = []
+
+    def layered(xs, length) -> bool:
+        for x in jax.tree.leaves(xs):
+            shape = tuple(getattr(x, "shape", ()))
+            if shape and (shape, str(getattr(x, "dtype", ""))) in stacked and \
+                    (length is None or shape[0] == length):
+                return True
+        return False
+
+    def scan(f, init, xs=None, length=None, *rest, **kwargs):
+        if inside or not layered(xs, length):
+            return original(f, init, xs, length, *rest, **kwargs)
+        calls.append(length)
+        inside.append(True)
+        try:
+            return original(_layer_body(f, policy, constrain), init, xs, length, *rest,
+                            **kwargs)
+        finally:
+            inside.pop()
+
+    jax.lax.scan = scan
+    try:
+        yield
+    finally:
+        jax.lax.scan = original
+
+
+def _layer_body(f, policy, constrain):
+    """The scan body ``f(carry, x) -> (carry, y)`` under ``jax.checkpoint(policy=policy)``
+    (``prevent_cse=False``: a scan keeps its iterations apart already), ``constrain`` on the
+    carry's arrays on the way in and out."""
+    rematted = f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+    if constrain is None:
+        return rematted
+
+    def body(carry, x):
+        carry, y = rematted(jax.tree.map(constrain, carry), x)
+        return jax.tree.map(constrain, carry), y
+    return body

@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from hlo_tools.compiled import MemoryStats, device_memory
 from kiwi_jax.compile import compiler_options, jit_step
 from kiwi_jax.estimate import CompiledCost, compiled_cost
-from kiwi_jax.recipe_remat import POLICIES, BlockPolicyError, block_paths, with_block_policy
+from kiwi_jax.recipe_remat import (POLICIES, BlockPolicyError, block_paths, stacked_layers,
+                                   with_block_policy, with_scan_policy)
 from kiwi_jax.recipe_specs import (SHARDINGS, batch_axes, data_flow, parameters, recipe_specs,
                                    state_leaves)
 from kiwi_jax.step import PureStep, abstract_arrays, carried_state, functionalize
@@ -142,9 +143,12 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
         (:func:`activation_constraint`), as hand-written recipes do; otherwise XLA's sharding
         propagation alone decides the layout between the arguments and the outputs.
 
+    The policy wraps each block module, or, where the layers are stacked for a scan (the step
+    reads parameters inside a loop), the scan's body (:mod:`kiwi_jax.recipe_remat`).
+
     Raises:
       BlockPolicyError: a policy other than ``none`` on a model whose blocks cannot be wrapped
-        (layers stacked for a scan).
+        (no repeated blocks in its parameter tree, or a block never called as a module).
       ValueError: an unknown recipe, or a mesh without two axes.
     """
     recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
@@ -152,17 +156,15 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
     leaves = state_leaves(plain)
     flow = data_flow(plain, parameters(leaves))
     paths = []
-    if recipe.policy != "none" or (constrain and not flow.looped):
-        if flow.looped:
-            raise BlockPolicyError(
-                f"the step reads {len(flow.looped)} parameters inside a loop (layers stacked "
-                "for nn.scan / nnx.scan): its blocks cannot be wrapped from outside; put "
-                f"jax.checkpoint(policy=jax.checkpoint_policies.{recipe.policy}) (nn.remat / "
-                "nnx.remat) around the scanned body in the model, or use the policy 'none'")
-        paths = block_paths(leaves, plain.args)
-    wrapped = with_block_policy(train_step, args, plain.style, paths, recipe.policy,
-                                activation_constraint(mesh, recipe.sharding)
-                                if constrain else None)
+    constraint = activation_constraint(mesh, recipe.sharding) if constrain else None
+    if flow.looped:
+        wrapped = with_scan_policy(train_step, stacked_layers(plain, flow.looped),
+                                   recipe.policy, constraint)
+    else:
+        if recipe.policy != "none" or constrain:
+            paths = block_paths(leaves, plain.args)
+        wrapped = with_block_policy(train_step, args, plain.style, paths, recipe.policy,
+                                    constraint)
     pure = functionalize(wrapped, args) if wrapped is not train_step else plain
     specs = recipe_specs(plain, mesh, recipe.sharding, leaves, flow.roles)
     return _jitted(recipe, pure, specs, mesh, donate, tuple(paths))
