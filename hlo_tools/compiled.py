@@ -180,12 +180,13 @@ def _axes_of(groups: Iterable[Iterable[int]], mesh_ids: np.ndarray) -> tuple[int
 
 
 def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective, ...]:
-    """Lists the collectives of a partitioned module, in text order.
+    """Lists the collectives of a partitioned module, in text order, once per run.
 
-    Every computation is scanned and each instruction counted once, statically
-    (a collective in a loop body counts once).  Async pairs count at their
-    ``-start``; ``-done`` halves are skipped.  See the module docstring for the
-    id space of ``mesh_device_ids``.
+    Every computation is scanned. A collective in a ``while`` loop's body (a scan) is listed
+    as many times as the body runs (:meth:`HloModule.executions`: XLA's known trip count),
+    since each run is priced on its own; any other once (before, a loop's body counted once
+    whatever its trip count).  Async pairs count at their ``-start``; ``-done`` halves are
+    skipped.  See the module docstring for the id space of ``mesh_device_ids``.
 
     Args:
       hlo_text: Text of the whole partitioned module (``compiled.as_text()``).
@@ -200,8 +201,11 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
     """
     mesh_ids = np.asarray(mesh_device_ids)
     found = []
-    for computation in parse_module(hlo_text).computations.values():
+    module = parse_module(hlo_text)
+    runs = module.executions()
+    for computation in module.computations.values():
         defined = computation.by_name()
+        times = runs.get(computation.name, 1)
         for instr in computation.instructions:
             kind = instr.opcode.removesuffix("-start")  # "-done" halves never match KINDS
             if kind not in KINDS:
@@ -212,8 +216,8 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
                                     f"defined in {computation.name!r}, found no definition")
             operand_bytes = [defined[op].shape.nbytes for op in instr.operands]
             if kind == "collective-permute":      # the buffer sent (later operands: in place)
-                found.append(Collective(kind, (), 0, operand_bytes[0], instr.name,
-                                        instr.shape.text, instr.op_name))
+                found += [Collective(kind, (), 0, operand_bytes[0], instr.name,
+                                     instr.shape.text, instr.op_name)] * times
                 continue
             value = instr.attrs.get("replica_groups")
             groups = (_replica_groups(value) if value is not None else None) \
@@ -224,8 +228,8 @@ def collectives(hlo_text: str, mesh_device_ids: np.ndarray) -> tuple[Collective,
                                     f"found sizes {sorted(sizes)}")
             group_size = sizes.pop()
             nbytes = sum(operand_bytes) * (group_size if kind == "all-gather" else 1)
-            found.append(Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes,
-                                    instr.name, instr.shape.text, instr.op_name))
+            found += [Collective(kind, _axes_of(groups, mesh_ids), group_size, nbytes,
+                                 instr.name, instr.shape.text, instr.op_name)] * times
     return tuple(found)
 
 

@@ -46,6 +46,7 @@ _ARRAY_SHAPE = re.compile(r"^([a-z][a-z0-9]*)\[([0-9,<=]*)\](\{[^}]*\})?")
 _COMMENT = re.compile(r"^\s*/\*.*?\*/")
 _ANY_COMMENT = re.compile(r"/\*.*?\*/")
 _OPCODE = re.compile(r"^([a-z][\w\-]*)\(")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
 class HloParseError(ValueError):
@@ -135,6 +136,13 @@ class Instruction:
         raw = self.attrs.get(key, "").strip("{} ")
         return tuple(int(v) for v in raw.split(",") if v.strip())
 
+    @property
+    def trip_count(self) -> int | None:
+        """A ``while`` loop's trip count where XLA's loop analysis found it (its backend
+        config's ``known_trip_count``, which the compiled modules carry); None otherwise."""
+        match = _TRIP_COUNT.search(self.attrs.get("backend_config", ""))
+        return int(match.group(1)) if match else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Computation:
@@ -172,6 +180,28 @@ class HloModule:
     @property
     def entry(self) -> Computation:
         return self.computations[self.entry_name]
+
+    def executions(self) -> dict[str, int]:
+        """Times each computation of the control flow runs per run of the module: the entry
+        once; a ``while`` loop's body as many times as its trip count
+        (:attr:`Instruction.trip_count`, once where it is unknown) and its condition once
+        more, per run of the computation holding the loop; a ``call``'s computation once per
+        run of its caller. Computations only reached otherwise (fusions, reducers, the
+        branches of a ``conditional``) are not listed."""
+        runs: dict[str, int] = {}
+
+        def visit(name: str, times: int) -> None:
+            runs[name] = runs.get(name, 0) + times
+            for instr in self.computations[name].instructions:
+                if instr.opcode == "while":
+                    trips = instr.trip_count or 1
+                    visit(instr.attrs["body"].lstrip("%"), times * trips)
+                    visit(instr.attrs["condition"].lstrip("%"), times * (trips + 1))
+                elif instr.opcode == "call" and "to_apply" in instr.attrs:
+                    visit(instr.attrs["to_apply"].lstrip("%"), times)
+
+        visit(self.entry_name, 1)
+        return runs
 
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:

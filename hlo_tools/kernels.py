@@ -47,11 +47,16 @@ class Kernel:
     opcode: str
     """Its opcode (``fusion`` for a fused kernel)."""
     flops: float
-    """Floating point operations of everything it runs (:func:`hlo_tools.graph.op_flops`)."""
+    """Floating point operations of everything it runs (:func:`hlo_tools.graph.op_flops`),
+    over its :attr:`runs`."""
     bytes: int
-    """Bytes it reads and writes: its operands' and its result's (see :func:`_bytes`)."""
+    """Bytes it reads and writes: its operands' and its result's (see :func:`_bytes`), over
+    its :attr:`runs`."""
     op_name: str = ""
     """The instruction's ``op_name`` (the jax source it came from), or ""."""
+    runs: int = 1
+    """Times it runs per step (a kernel of a loop's body: the loop's trip count); ``flops``
+    and ``bytes`` are its totals over them."""
 
 
 def _is_collective(opcode: str) -> bool:
@@ -146,28 +151,45 @@ def _called(module: HloModule, instr) -> Computation:
 def kernels(hlo_text: str) -> tuple[Kernel, ...]:
     """The kernels of a compiled module, in schedule order.
 
+    A ``while`` loop of the entry computation (a scan) is not one kernel: the kernels of its
+    body count as many times as the loop runs (:meth:`HloModule.executions`: XLA's known trip
+    count), those of its condition once more, nested loops alike; each such kernel's FLOPs
+    and bytes are its totals over the step (:attr:`Kernel.runs`). Before, a scanned model's
+    loop was one kernel of no FLOPs, and its layers' compute was left out of the estimate.
+
     Args:
       hlo_text: the compiled, partitioned module (``compiled.as_text()``).
 
     Returns:
-      One :class:`Kernel` per entry instruction that is neither in :data:`NOT_KERNELS` nor a
-      collective.
+      One :class:`Kernel` per instruction of the entry computation and of the loops' bodies
+      and conditions that is neither in :data:`NOT_KERNELS` nor a collective.
 
     Raises:
       HloParseError: the text is not an HLO module, or a kernel reads an operand its
         computation does not define.
     """
     module = parse_module(hlo_text)
-    entry = module.entry
-    defined = entry.by_name()
+    return tuple(_kernels(module, module.entry, module.executions()))
+
+
+def _kernels(module: HloModule, computation: Computation, runs: dict) -> list[Kernel]:
+    defined = computation.by_name()
+    times = runs.get(computation.name, 1)
     out = []
-    for instr in entry.instructions:
+    for instr in computation.instructions:
         if instr.opcode in NOT_KERNELS or _is_collective(instr.opcode):
+            continue
+        if instr.opcode == "while":
+            for part in ("body", "condition"):
+                out += _kernels(module, module.computations[instr.attrs[part].lstrip("%")],
+                                runs)
             continue
         missing = [o for o in instr.operands if o not in defined]
         if missing:
+            where = "the entry computation" if computation.is_entry \
+                else f"computation {computation.name!r}"
             raise HloParseError(f"expected the operands {missing} of {instr.name!r} to be "
-                                f"defined in the entry computation, found no definition")
+                                f"defined in {where}, found no definition")
         operands = [defined[o].shape for o in instr.operands]
         if instr.opcode in ("fusion", "call"):
             flops = _flops(module, _called(module, instr))
@@ -177,6 +199,6 @@ def kernels(hlo_text: str) -> tuple[Kernel, ...]:
             flops = op_flops(instr.opcode, instr.shape, operands,
                              instr.int_list("lhs_contracting_dims"),
                              instr.attrs.get("dim_labels", ""))
-        out.append(Kernel(instr.name, instr.opcode, flops, _bytes(module, instr, operands),
-                          instr.op_name))
-    return tuple(out)
+        out.append(Kernel(instr.name, instr.opcode, flops * times,
+                          _bytes(module, instr, operands) * times, instr.op_name, times))
+    return out

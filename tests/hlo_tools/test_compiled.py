@@ -214,6 +214,21 @@ def test_combined_gradient_all_reduce_counts_every_operand(mesh24):
     assert found[0].bytes == device_memory(compiled).output_bytes - pointers
 
 
+def test_a_collective_in_a_loops_body_is_listed_once_per_trip(mesh24):
+    # Layers under a scan whose weights are split on their rows over "model": each trip's
+    # product all-reduces its partial sums, so the loop's one all-reduce runs three times a step.
+    def layers(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    args = (jnp.ones((3, 16, 16)), jnp.ones((8, 16)))
+    compiled = _compile(mesh24, layers, args, [P(None, "model", None), P(None, "model")], P())
+    text = compiled.as_text()
+    assert " while(" in text
+    found = [c for c in collectives(text, mesh24.device_ids) if c.kind == "all-reduce"]
+    assert len(found) == 3 and len({c.name for c in found}) == 1
+    assert _kinds(found)[0] == ("all-reduce", (1,), 4, 8 * 16 * F32)
+
+
 def test_all_reduce_over_both_axes(mesh24):
     args = (jnp.ones((8, 16)), jnp.ones((16, 4)))
     specs = [P(None, ("data", "model")), P(("data", "model"), None)]

@@ -148,3 +148,35 @@ def test_a_sliced_read_agrees_with_xla_cost_analysis():
     total = sum(k.bytes for k in found)
     assert total == pytest.approx(compiled.cost_analysis()["bytes accessed"], rel=0.05)
     assert total < 4 * 1024 * F32
+
+
+def _mlp_grads(ws, x, scanned: bool):
+    def loss(ws):
+        if scanned:
+            h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+        else:
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+        return (h * h).sum()
+    return jax.grad(loss)(ws)
+
+
+def test_a_loops_body_counts_as_often_as_it_runs():
+    # The MLP's layers under a scan: its compiled module runs its forward and backward layers
+    # as two loops of 4 trips. Their kernels count 4 times (the condition's 5), so the FLOPs
+    # are the unrolled module's and one product more (the backward loop's last trip computes
+    # the gradient of the input, which the unrolled gradient leaves out); XLA's own analysis
+    # counts each body once. Before, each loop was one kernel of no FLOPs.
+    stacked, x = jnp.ones((4, 64, 64)), jnp.ones((128, 64))
+    looped = jax.jit(lambda ws, x: _mlp_grads(ws, x, True)).lower(stacked, x).compile()
+    unrolled = jax.jit(lambda ws, x: _mlp_grads(ws, x, False)).lower(
+        tuple(stacked), x).compile()
+    found = kernels(looped.as_text())
+    assert {k.runs for k in found} >= {1, 4, 5}
+    assert "while" not in {k.opcode for k in found}
+    flops = sum(k.flops for k in found)
+    input_gradient = 2 * 128 * 64 * 64
+    assert flops == pytest.approx(sum(k.flops for k in kernels(unrolled.as_text()))
+                                  + input_gradient, rel=0.01)
+    assert flops > 2 * looped.cost_analysis()["flops"]
