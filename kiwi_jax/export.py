@@ -59,7 +59,8 @@ from kiwi_jax.estimate import compiled_cost
 from kiwi_jax.interpret import inlined_call, is_unit, scan_body, tag_of, unit_of
 from kiwi_jax.plan import Plan
 from kiwi_jax.problem import ProblemBuild
-from kiwi_jax.recipe_remat import BlockPolicyError, block_paths, with_block_policy
+from kiwi_jax.recipe_remat import (BlockPolicyError, block_paths, stacked_layers,
+                                   with_block_policy, with_scan_policy)
 from kiwi_jax.recipe_specs import state_leaves
 from kiwi_jax.sharding import of_value, to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
@@ -195,21 +196,42 @@ class PlanExport:
         and outputs (those of the input's rank) constrained to the layer's boundary spec, where
         XLA's propagation would otherwise lay out the activations alone.
 
+        Layers stacked for a scan (no block modules) share one body: it runs under the policy
+        that saves what any of the layers saves (:meth:`scan_policy`), its carry constrained
+        to the first layer's boundary spec (:func:`kiwi_jax.recipe_remat.with_scan_policy`).
+
         Raises:
-          BlockPolicyError: the blocks are not separate modules (layers stacked for a scan):
-            put ``jax.checkpoint(policy=export.policy())`` around the scanned body instead.
+          BlockPolicyError: the layers are neither block modules nor stacked for a scan that
+            runs through ``jax.lax.scan``.
         """
         blocks = [p for p in self.layers if p.block]
         if not blocks:
-            raise BlockPolicyError(
-                "the plan's layers are not separate block modules (stacked for a scan?): put "
-                "jax.checkpoint(policy=export.policy()) (nnx.remat / nn.remat) around the "
-                "scanned body in the model instead")
+            return self._apply_to_scan(train_step, args, mesh)
         style = "nnx" if any(nnx.graph.is_graph_node(a) for a in args) else "linen"
         return with_block_policy(train_step, args, style, [p.block for p in blocks],
                                  [p.policy() if p.needs_checkpoint else None for p in blocks],
                                  [None if mesh is None or p.boundary is None
                                   else _constraint(mesh, p.boundary) for p in blocks])
+
+    def scan_policy(self) -> Callable | None:
+        """The policy of a scanned body shared by every layer: it saves what any layer's
+        policy saves (layers the solver tied save the same); None when no layer recomputes."""
+        if not any(p.needs_checkpoint for p in self.layers):
+            return None
+        names = tuple(sorted({n for p in self.layers for n in p.names}))
+        operations = tuple(sorted({o for p in self.layers for o in p.operations}))
+        return LayerPolicy(-1, (), names, operations, 0, 1).policy()
+
+    def _apply_to_scan(self, train_step, args, mesh) -> Callable:
+        stacked = stacked_layers(functionalize(train_step, args))
+        if not stacked:
+            raise BlockPolicyError(
+                "the plan's layers are neither separate block modules nor stacked for a scan; "
+                "put jax.checkpoint(policy=export.policy(layer=i)) (nnx.remat / nn.remat) "
+                "around each layer in the model instead")
+        boundary = next((p.boundary for p in self.layers if p.boundary is not None), None)
+        constrain = None if mesh is None or boundary is None else _constraint(mesh, boundary)
+        return with_scan_policy(train_step, stacked, self.scan_policy(), constrain)
 
     def table(self) -> str:
         """Per layer: what its policy saves, and what it recomputes."""
@@ -256,7 +278,7 @@ def compile_exported(train_step, args: tuple, mesh, export: PlanExport,
     compiled as the decorator compiles a plan (abstract ``args`` are enough).
 
     Raises:
-      BlockPolicyError: the blocks are not separate modules.
+      BlockPolicyError: the layers are neither block modules nor stacked for a scan.
     """
     pure = functionalize(export.apply(train_step, args, mesh), args)
     shardings = export.shardings(mesh, *pure.args)
@@ -353,12 +375,14 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
 
 
 def _block_export(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> PlanExport | None:
-    """The plan's export (:func:`export_plan`); None where no block of it recomputes anything
-    (there the export is the plan's shardings at the blocks' boundaries only)."""
+    """The plan's export (:func:`export_plan`); None where no block of it (or, layers stacked
+    for a scan, no layer) recomputes anything (there the export is the plan's shardings at the
+    blocks' boundaries only)."""
     if not plan.recomputed:
         return None
     export = export_plan(traced, build, plan, mesh)
-    return export if any(layer.block and layer.needs_checkpoint
+    scanned = not any(layer.block for layer in export.layers)
+    return export if any((layer.block or scanned) and layer.needs_checkpoint
                          for layer in export.layers) else None
 
 
