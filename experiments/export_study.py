@@ -11,7 +11,8 @@ both compiled peaks
 predicted peak, both compiled-cost estimates (``kiwi_jax.compiled_cost``: XLA's FLOPs and bytes,
 collectives priced with the cluster's figures), what the policies save and recompute, and the
 exported step's loss at its third step against the plain jitted step's. Models whose layers run
-in a scan cannot be wrapped from outside: their row is the error.
+in a scan get the policy on the scan's body (one for every layer), and their exported step
+keeps the scan.
 
 Both steps are compiled with the decorator's compiler options (on the CPU backend, CSE would
 otherwise merge a recomputation with its original; see DESIGN.md).
@@ -45,8 +46,8 @@ from kiwi_jax.export import compile_exported  # noqa: E402
 from kiwi_jax.step import functionalize  # noqa: E402
 
 CLUSTER = "v100-nvlink"
-MODELS = ("llama", "vit", "mixer", "resnet", "encdec", "moe")
-"""The zoo's models whose blocks are separate modules (the scanned ones cannot be wrapped)."""
+MODELS = ("llama", "vit", "mixer", "resnet", "encdec", "moe", "llama_scan", "linen_scan")
+"""The zoo's models."""
 
 
 def _loss(result) -> float:

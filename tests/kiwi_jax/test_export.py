@@ -3,6 +3,7 @@ layer a ``jax.checkpoint`` policy saving what the plan keeps (``kiwi_jax.export`
 
 import dataclasses
 import io
+import re
 import types
 
 import jax
@@ -21,6 +22,7 @@ from kiwi_jax.export import (LayerPolicy, PlanExport, compile_applied, compile_e
                              fastest_program, operation)
 from kiwi_jax.fit import FitStop
 from kiwi_jax.recipes import compile_recipe
+from kiwi_jax.step import functionalize
 from tests.kiwi_jax import named_model
 from tests.scenario import arises
 
@@ -273,3 +275,44 @@ def _program(name, peak_bytes):
 def test_of_a_plans_programs_the_one_within_the_budget_runs_else_the_smallest(programs, runs):
     chosen = fastest_program([_program(*p) for p in programs], 100, mesh=None, cluster=None)
     assert chosen.program == runs
+
+
+SCANNED_LLAMA = {"layers": 2, "dim": 16, "heads": 2, "kv_heads": 1, "batch": 8, "seq": 16,
+                 "vocab": 32}
+
+
+def _losses(pure, steps=2) -> list[float]:
+    """The losses of ``steps`` runs of a functionalized NNX step (outputs: the loss, then the
+    state) from a copy of its state."""
+    jitted, args, losses = jax.jit(pure.fn), list(jax.tree.map(jnp.copy, pure.args)), []
+    for _ in range(steps):
+        loss, args[0] = jitted(*args)
+        losses.append(float(loss["loss"] if isinstance(loss, dict) else loss))
+    return losses
+
+
+def test_a_scanned_models_export_keeps_the_scan_and_its_numerics():
+    """Layers stacked for ``nnx.scan``: the export's policy runs the scan's body (one
+    checkpoint for every layer); the compiled step keeps its loops and computes the plain
+    step's losses."""
+    mesh = _mesh((1, 1))
+    optimized = _planned("80%", mesh, lambda: zoo.make("llama_scan", **SCANNED_LLAMA),
+                         fit_compiles=0)
+    export = optimized.export()
+    assert all(not layer.block and layer.recomputed for layer in export.layers)
+    assert export.scan_policy() is not None
+    step, args = zoo.make("llama_scan", abstract=False, **SCANNED_LLAMA)
+    compiled = compile_exported(step, args, mesh, export)
+    assert compiled.compiled.as_text().count(" while(") >= 2      # forward and backward scans
+    applied = functionalize(export.apply(step, args, mesh), args)
+    assert re.search(r"\b(?:checkpoint|remat2?)\[", str(jax.make_jaxpr(applied.fn)(*applied.args)))
+    np.testing.assert_allclose(_losses(applied), _losses(functionalize(step, args)), rtol=1e-6)
+
+
+def test_an_export_of_layers_neither_blocks_nor_scanned_says_where_to_put_the_policy():
+    step, args = zoo.make("llama", layers=2, dim=16, heads=2, kv_heads=1, batch=8, seq=8,
+                          vocab=32)
+    export = PlanExport(("data", "model"), {}, (LayerPolicy(0, (), (), ("tanh",), 0, 1),))
+    with pytest.raises(kiwi_jax.BlockPolicyError, match="neither separate block modules nor "
+                       "stacked for a scan.*policy\\(layer=i\\)"):
+        export.apply(step, args)
