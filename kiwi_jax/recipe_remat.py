@@ -267,19 +267,19 @@ def _named(policy: str):
     return getattr(jax.checkpoint_policies, policy) if policy != "none" else None
 
 
-def stacked_layers(pure: PureStep, looped=None) -> frozenset:
-    """``(shape, dtype)`` of the parameters the step reads inside a loop: layers stacked for a
-    scan. Empty when it reads none that way.
+def stacked_layers(pure: PureStep, scanned=None) -> frozenset:
+    """``(shape, dtype)`` of the parameters a scan of the step slices: layers stacked for a
+    scan. Empty when it has none.
 
     Args:
-      looped: those parameters' leaf indices, where known
-        (:attr:`kiwi_jax.recipe_specs.DataFlow.looped`); else they are found
+      scanned: those parameters' leaf indices, where known
+        (:attr:`kiwi_jax.recipe_specs.DataFlow.scanned`); else they are found
         (:func:`kiwi_jax.recipe_specs.data_flow`, a trace of the step).
     """
-    if looped is None:
-        looped = data_flow(pure, parameters(state_leaves(pure))).looped
+    if scanned is None:
+        scanned = data_flow(pure, parameters(state_leaves(pure))).scanned
     flat = jax.tree.leaves(pure.args)
-    return frozenset((tuple(flat[i].shape), str(flat[i].dtype)) for i in looped)
+    return frozenset((tuple(flat[i].shape), str(flat[i].dtype)) for i in scanned)
 
 
 def with_scan_policy(train_step, stacked: frozenset, policy, constrain=None):
@@ -296,8 +296,9 @@ def with_scan_policy(train_step, stacked: frozenset, policy, constrain=None):
         activations at the layers' boundaries), or None.
 
     Raises:
-      BlockPolicyError: no stacked layers; the traced step then raises it too when no scan
-        over them was called through ``jax.lax.scan``.
+      BlockPolicyError: no stacked layers; the traced step then raises it too when it called
+        no scan over them through ``jax.lax.scan`` and a policy was asked for (a constraint
+        alone is then left out).
     """
     chosen = _named(policy) if isinstance(policy, str) else policy
     if chosen is None and constrain is None:
@@ -312,7 +313,7 @@ def with_scan_policy(train_step, stacked: frozenset, policy, constrain=None):
         calls: list = []
         with _scanned_layers(stacked, chosen, constrain, calls):
             result = train_step(*call_args)
-        if not calls:
+        if not calls and chosen is not None:
             raise BlockPolicyError(
                 "the step's stacked layers were not scanned through jax.lax.scan while it was "
                 "traced (nn.scan and nnx.scan call it), so their policy could not be applied; "

@@ -143,8 +143,10 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
         (:func:`activation_constraint`), as hand-written recipes do; otherwise XLA's sharding
         propagation alone decides the layout between the arguments and the outputs.
 
-    The policy wraps each block module, or, where the layers are stacked for a scan (the step
-    reads parameters inside a loop), the scan's body (:mod:`kiwi_jax.recipe_remat`).
+    The policy wraps each block module, or, where the layers are stacked for a scan (a scan
+    slices parameters, :attr:`~kiwi_jax.recipe_specs.DataFlow.scanned`), the scan's body
+    (:mod:`kiwi_jax.recipe_remat`). Blocks called inside a scan over micro-batches, which
+    reads the parameters whole, are block modules.
 
     Raises:
       BlockPolicyError: a policy other than ``none`` on a model whose blocks cannot be wrapped
@@ -155,10 +157,10 @@ def recipe_step(train_step, args: tuple, mesh, recipe: Recipe | str,
     plain = functionalize(train_step, args)
     leaves = state_leaves(plain)
     flow = data_flow(plain, parameters(leaves))
-    paths = []
     constraint = activation_constraint(mesh, recipe.sharding) if constrain else None
-    if flow.looped:
-        wrapped = with_scan_policy(train_step, stacked_layers(plain, flow.looped),
+    paths = []
+    if flow.scanned:                    # layers stacked for a scan
+        wrapped = with_scan_policy(train_step, stacked_layers(plain, flow.scanned),
                                    recipe.policy, constraint)
     else:
         if recipe.policy != "none" or constrain:

@@ -230,6 +230,34 @@ def test_a_scanned_bodys_policy_frees_its_activations(mesh24):
     assert saved.argument_bytes == none.argument_bytes
 
 
+def _accumulating_step(state, batch):
+    """The mixer's step with its gradient accumulated over two micro-batches by a scan."""
+    def loss_fn(params, micro_batch):
+        logits = state.apply_fn({"params": params}, micro_batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, micro_batch["label"]).mean()
+
+    def micro(total, micro_batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, micro_batch)
+        return jax.tree.map(jnp.add, total, grads), loss
+
+    halves = jax.tree.map(lambda x: x.reshape(2, x.shape[0] // 2, *x.shape[1:]), batch)
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, state.params), halves)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g / 2, grads)), losses.mean()
+
+
+@pytest.mark.parametrize("recipe", ["dp", "dp/nothing_saveable"])
+def test_blocks_called_in_a_micro_batch_scan_are_block_modules(recipe, mesh24):
+    """The step reads every parameter inside a loop (the accumulation scan), but its blocks
+    are modules of the parameter tree: they take the policy, as without the scan."""
+    _, args = zoo.make("mixer", **MIXER)
+    made = recipe_step(_accumulating_step, args, mesh24, recipe)
+    assert made.blocks == (("MixerBlock_0",), ("MixerBlock_1",))
+    text = str(jax.make_jaxpr(made.pure.fn)(*made.pure.args))
+    found = len(re.findall(r"\b(?:checkpoint|remat2?)\[", text))
+    assert found >= 2 if recipe.endswith("saveable") else found == 0
+
+
 def _layers(weights, x):
     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, weights)[0]
 
