@@ -49,9 +49,7 @@ _ALIASING = {"convert_element_type", "copy", "copy_p", "pvary", "reduce_precisio
 """Primitives whose output is their operand with the same dimensions (a parameter read through
 them is still that parameter)."""
 
-_LOOPS = {"scan", "while"}
-"""Loop primitives: their parameters are layers stacked for a scan."""
-_OPAQUE = _LOOPS | {"cond", "switch"}
+_OPAQUE = {"scan", "while", "cond", "switch"}
 """Primitives whose sub-programs are not followed (a loop body's inputs are not its
 operands one to one)."""
 
@@ -139,11 +137,10 @@ class DataFlow:
     roles: dict
     """Per parameter leaf read first by a matrix product or a gather, its Megatron role and the
     dimensions it may be split on: ``{leaf: (role, dims)}`` (see :func:`data_flow`)."""
-    looped: frozenset
-    """Parameter leaves read by a loop (``scan``, ``while``)."""
-    scanned: frozenset = frozenset()
-    """Those a scan slices, one slice a trip (its scanned inputs, not its constants): layers
-    stacked for a scan. A loop over micro-batches reads the parameters as constants."""
+    scanned: frozenset
+    """Parameter leaves a scan slices, one slice a trip (its scanned inputs, not its
+    constants): layers stacked for a scan. A loop over micro-batches reads the parameters as
+    constants."""
 
 
 def data_flow(pure: PureStep, params: set) -> DataFlow:
@@ -165,20 +162,19 @@ def data_flow(pure: PureStep, params: set) -> DataFlow:
     """
     closed = jax.make_jaxpr(pure.fn)(*pure.args)
     roles: dict = {}
-    looped: set = set()
     scanned: set = set()
     env: dict = {}
     for i, var in enumerate(closed.jaxpr.invars):
         env[var] = _Value(param=i if i in params else None)
-    _walk(closed.jaxpr, env, roles, looped, scanned)
-    return DataFlow(roles, frozenset(looped), frozenset(scanned))
+    _walk(closed.jaxpr, env, roles, scanned)
+    return DataFlow(roles, frozenset(scanned))
 
 
 def _read(env, var) -> _Value:
     return env.get(var, _Value()) if isinstance(var, jex.Var) else _Value()
 
 
-def _walk(jaxpr, env: dict, roles: dict, looped: set, scanned: set) -> None:
+def _walk(jaxpr, env: dict, roles: dict, scanned: set) -> None:
     for eqn in jaxpr.eqns:
         ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
@@ -186,15 +182,13 @@ def _walk(jaxpr, env: dict, roles: dict, looped: set, scanned: set) -> None:
         if name not in _OPAQUE and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars) \
                 and len(subs[0].outvars) == len(eqn.outvars):
             inner = dict(zip(subs[0].invars, ins))
-            _walk(subs[0], inner, roles, looped, scanned)
+            _walk(subs[0], inner, roles, scanned)
             for out, var in zip(eqn.outvars, subs[0].outvars):
                 env[out] = _read(inner, var)
             continue
-        if name in _LOOPS:
-            looped.update(v.param for v in ins if v.param is not None)
-            if name == "scan":
-                first = eqn.params["num_consts"] + eqn.params["num_carry"]
-                scanned.update(v.param for v in ins[first:] if v.param is not None)
+        if name == "scan":
+            first = eqn.params["num_consts"] + eqn.params["num_carry"]
+            scanned.update(v.param for v in ins[first:] if v.param is not None)
         if name in _ALIASING and len(ins) == 1:
             env[eqn.outvars[0]] = ins[0]
             continue
