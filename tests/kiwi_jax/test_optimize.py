@@ -34,7 +34,6 @@ from tests.scenario import arises
 
 SMALL = {
     "gpt": dict(layers=1, hidden=32, heads=2, seq=16, batch=8, vocab=64),
-    "bert": dict(layers=1, hidden=32, heads=2, seq=16, batch=8, vocab=64),
     "mlp": dict(layers=3, width=64, in_dim=32, out_dim=32, batch=16),
     "linen_mlp": dict(),
 }
@@ -55,12 +54,13 @@ def _step(name, mesh, budget="90%", **options) -> tuple[OptimizedStep, tuple]:
     return step, (*ref.init(0), ref.batch(0))
 
 
-# The encoder on 2x4 only: it is the GPT's layer without the causal mask, and the GPT covers
-# the meshes (the encoder's 1x8 and 4x2 cases took 55 s of the suite).
+# Not the encoder: it is the GPT's layer without the causal mask, and the GPT covers the
+# meshes (its 1x8 and 4x2 cases took 55 s of the suite, its 2x4 case 59 s); its problem is
+# checked in test_strategies.py, and the zoo study (a benchmark) plans and runs an
+# encoder-decoder on every mesh.
 @pytest.mark.parametrize("name,shape", [
     pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
-    for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]
-    if name != "bert" or shape == (2, 4)])
+    for name in SMALL for shape in [(1, 8), (2, 4), (4, 2)]])
 def test_optimized_step_matches_plain_step(name, shape, mesh_factory):
     # The budget search runs on the MLP on 2x4; elsewhere the solved plan runs as compiled: its
     # numerics and collectives are what is tested there. On the 1-layer GPT and encoder the

@@ -36,6 +36,12 @@ def overlapped():
     return _step(True)
 
 
+@pytest.fixture(scope="module")
+def on_demand():
+    """The same plan's step with its recomputations where their readers need them."""
+    return _step(False)
+
+
 def test_hidden_recomputations_are_scheduled_before_their_collective(overlapped):
     _ref, _step_, prepared = overlapped
     assert prepared.plan.hidden_under, "the plan hides nothing: pick a tighter budget"
@@ -63,16 +69,16 @@ def test_a_hidden_value_made_inside_an_inlined_call_is_placed_as_its_call(overla
     assert units <= set(_anchors(traced, hidden, units))
 
 
-def test_without_overlap_nothing_is_placed_beside_a_collective():
-    _ref, _step_, prepared = _step(False)
+def test_without_overlap_nothing_is_placed_beside_a_collective(on_demand):
+    _ref, _step_, prepared = on_demand
     assert prepared.plan.hidden_under and not overlap_placements(prepared)
 
 
-def test_overlap_changes_where_values_are_recomputed_not_what_the_step_computes(overlapped):
+def test_overlap_changes_where_values_are_recomputed_not_what_the_step_computes(overlapped,
+                                                                              on_demand):
     ref, step, _prepared = overlapped
-    _, on_demand, _ = _step(False)
     runs = []
-    for candidate in (step, on_demand, nnx.jit(ref.train_step)):
+    for candidate in (step, on_demand[1], nnx.jit(ref.train_step)):
         model, optimizer = ref.init(0)
         losses = [float(candidate(model, optimizer, ref.batch(seed))) for seed in range(2)]
         runs.append((losses, nnx.state(model)))

@@ -219,6 +219,12 @@ def gpt6():
     return _problem("gpt", "1x2", **{**SMALL_GPT, "layers": 6})
 
 
+@pytest.fixture(scope="module")
+def gpt6_budget(gpt6):
+    """:func:`_tight_budget` of ``gpt6``, found once for the module's solves under it."""
+    return _tight_budget(gpt6)
+
+
 def test_the_tied_program_leaves_out_the_rows_of_inner_repeats_only(gpt6):
     inner = solvers.reuse.inner_repeats(gpt6, gpt6.ties)
     assert set(np.unique(gpt6.layer[inner]).tolist()) == {2, 3}
@@ -233,10 +239,10 @@ def _tight_budget(problem):
     return (fits + reference.peak_bytes) // 2
 
 
-def test_left_out_rows_cost_nothing_and_the_plan_fits(gpt6, monkeypatch):
+def test_left_out_rows_cost_nothing_and_the_plan_fits(gpt6, gpt6_budget, monkeypatch):
     """Without the inner repeats' rows the tied program is a relaxation: its plan, replayed,
     fits the budget and is no slower than the plan of the program with every row."""
-    budget = _tight_budget(gpt6)
+    budget = gpt6_budget
     fewer = solvers.solve(gpt6, budget, solver="kiwi", reuse_layers=True, mip_gap=1e-6)
     monkeypatch.setattr(SOLVE_MODULE, "_skipped_times", lambda *args: None)
     full = solvers.solve(gpt6, budget, solver="kiwi", reuse_layers=True, mip_gap=1e-6)
@@ -247,11 +253,11 @@ def test_left_out_rows_cost_nothing_and_the_plan_fits(gpt6, monkeypatch):
     assert fewer.objective <= full.objective * (1 + 1e-6)
 
 
-def test_a_layer_over_the_budget_gets_its_rows_back(gpt6, monkeypatch, caplog):
+def test_a_layer_over_the_budget_gets_its_rows_back(gpt6, gpt6_budget, monkeypatch, caplog):
     """Leave out every row: the program's plan is the fastest one, over the budget, and the
     solve puts the rows of the layers (and of the rest of the step) it is over in back until
     its plan fits."""
-    budget = _tight_budget(gpt6)
+    budget = gpt6_budget
     monkeypatch.setattr(SOLVE_MODULE, "_skipped_times",
                         lambda problem, *args: np.ones(problem.num_nodes, bool))
     with caplog.at_level("INFO", logger="solvers.solve"):
