@@ -57,6 +57,9 @@ class Kernel:
     runs: int = 1
     """Times it runs per step (a kernel of a loop's body: the loop's trip count); ``flops``
     and ``bytes`` are its totals over them."""
+    root: str = ""
+    """The opcode of what it computes: a fusion's (or call's) root instruction's, else
+    :attr:`opcode`."""
 
 
 def _is_collective(opcode: str) -> bool:
@@ -191,8 +194,10 @@ def _kernels(module: HloModule, computation: Computation, runs: dict) -> list[Ke
             raise HloParseError(f"expected the operands {missing} of {instr.name!r} to be "
                                 f"defined in {where}, found no definition")
         operands = [defined[o].shape for o in instr.operands]
+        root = instr.opcode
         if instr.opcode in ("fusion", "call"):
-            flops = _flops(module, _called(module, instr))
+            called = _called(module, instr)
+            flops, root = _flops(module, called), called.root.opcode
         elif instr.opcode in _NO_FLOPS:
             flops = 0.0
         else:
@@ -200,5 +205,5 @@ def _kernels(module: HloModule, computation: Computation, runs: dict) -> list[Ke
                              instr.int_list("lhs_contracting_dims"),
                              instr.attrs.get("dim_labels", ""))
         out.append(Kernel(instr.name, instr.opcode, flops * times,
-                          _bytes(module, instr, operands) * times, instr.op_name, times))
+                          _bytes(module, instr, operands) * times, instr.op_name, times, root))
     return out

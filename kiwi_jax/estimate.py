@@ -40,7 +40,8 @@ from hlo_tools.kernels import kernels
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import Comm, collective_seconds, comm_seconds
 
-__all__ = ["CompiledCost", "compiled_cost", "xla_cost_analysis"]
+__all__ = ["CompiledCost", "compiled_cost", "compute_by_operation", "kernel_seconds",
+           "source_operation", "xla_cost_analysis"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,46 @@ def compiled_cost(compiled, mesh, cluster) -> CompiledCost:
         flops=flops, bytes_accessed=nbytes, kernels=len(found),
         kernel_flops=float(sum(k.flops for k in found)),
         kernel_bytes=int(sum(k.bytes for k in found)),
-        compute_seconds=float(sum(max(k.flops / device.flops, k.bytes / device.memory_bandwidth)
-                                  for k in found)),
+        compute_seconds=float(sum(kernel_seconds(k, device) for k in found)),
         compute_lower_seconds=max(flops / device.flops, nbytes / device.memory_bandwidth),
         compute_upper_seconds=flops / device.flops + nbytes / device.memory_bandwidth,
         collectives=dict(table))
+
+
+def kernel_seconds(kernel, device) -> float:
+    """The roofline of one kernel (a :class:`hlo_tools.kernels.Kernel`, or anything with
+    ``flops`` and ``bytes``) on a :class:`~kiwi_jax.cluster.Device`: the cost model's formula
+    per operator, ``max(FLOPs / peak, bytes / memory bandwidth)``."""
+    return max(kernel.flops / device.flops, kernel.bytes / device.memory_bandwidth)
+
+
+def source_operation(op_name: str, opcode: str = "") -> str:
+    """The JAX operation an instruction or an operator comes from, by its ``op_name``
+    metadata: the primitive (its last path component, without parameters), marked
+    ``(backward)`` when JAX's autodiff made it by transposing the forward pass
+    (``transpose(jvp(...))`` in the path). The key on which the model's operators and the
+    compiled kernels are set side by side (:func:`compute_by_operation`); the scopes before
+    the primitive differ between the plain step and the applied one, the primitive does not.
+    Without an ``op_name`` (copies XLA adds, and kernels whose metadata XLA's CPU passes drop),
+    the HLO ``opcode`` marked ``(no op_name)``.
+
+    ``"jit(step)/transpose(jvp(Block))/dot_general"`` -> ``"dot_general (backward)"``;
+    ``("", "copy")`` -> ``"copy (no op_name)"``.
+    """
+    if not op_name:
+        return f"{opcode or '?'} (no op_name)"
+    primitive = op_name.rsplit("/", 1)[-1].split("[", 1)[0]
+    return f"{primitive} (backward)" if "transpose(" in op_name else primitive
+
+
+def compute_by_operation(compiled, cluster) -> dict[str, tuple[int, float]]:
+    """The compiled step's compute (:attr:`CompiledCost.compute_seconds`) by
+    :func:`source_operation` of each kernel's ``op_name`` (XLA gives a fusion its root's;
+    without one, by the opcode of the fusion's root): ``{operation: (kernels, seconds)}``."""
+    device = Cluster.parse(cluster).device
+    table: dict[str, tuple[int, float]] = {}
+    for k in kernels(compiled.as_text()):
+        key = source_operation(k.op_name, k.root)
+        count, seconds = table.get(key, (0, 0.0))
+        table[key] = (count + 1, seconds + kernel_seconds(k, device))
+    return table

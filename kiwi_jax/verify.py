@@ -29,7 +29,8 @@ from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import carried_pairs
 from kiwi_jax.compile import Prepared, compiler_options
-from kiwi_jax.estimate import CompiledCost, compiled_cost
+from kiwi_jax.estimate import (CompiledCost, compiled_cost, compute_by_operation,
+                               source_operation)
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.multihost import place, to_host
 from kiwi_jax.plan import attributed_comms, by_kind
@@ -39,7 +40,7 @@ from solvers.simulator import live_bytes, simulate
 
 __all__ = ["overlap_placements", "VerifyReport", "verify_prepared", "verify_recipe",
            "Numerics", "LeafDiff", "compare_numerics", "TOLERANCE", "LOSS_TOLERANCE",
-           "LEAF_TOLERANCE", "FLOOR_FACTOR"]
+           "LEAF_TOLERANCE", "FLOOR_FACTOR", "compute_rows"]
 
 UNCOMBINED = ("all-reduce-combiner", "cpu-all-reduce-combiner", "all-gather-combiner",
               "reduce-scatter-combiner")
@@ -198,6 +199,9 @@ class VerifyReport:
     compiled_cost: CompiledCost | None = None
     """The compiled step priced with the plan's cluster (:func:`kiwi_jax.estimate.compiled_cost`);
     None: not estimated."""
+    compute_rows: tuple = ()
+    """The plan's compute against the compiled step's, by the JAX operation they come from
+    (:func:`compute_rows`; empty for a recipe's step)."""
     runs: str = "kiwi"
     """Whose compiled step this is: ``"kiwi"`` (kiwi's plan) or the recipe that won the
     compiler's choice (:mod:`kiwi_jax.choose`), whose step runs instead."""
@@ -301,6 +305,7 @@ class VerifyReport:
             "estimated_step_seconds": self.estimated_step_seconds,
             "step_error": self.step_error,
             "compiled_cost": None if self.compiled_cost is None else self.compiled_cost.to_dict(),
+            "compute_rows": list(self.compute_rows),
         }
 
     def table(self) -> str:
@@ -376,6 +381,14 @@ class VerifyReport:
                      f"{'  communication':28s} "
                      f"{ms(predicted - self.predicted_compute_seconds)} "
                      f"{ms(cost.collective_seconds)}"]
+        compute = self.predicted_compute_seconds
+        if self.compute_rows and compute is not None \
+                and abs(cost.compute_seconds - compute) > TOLERANCE * max(compute, 1e-30):
+            rows.append("  compute by the operation it comes from, the largest differences "
+                        "(predicted: operators, compiled: kernels):")
+            rows += [f"    {r['operation'][:36]:36s} {ms(r['predicted_seconds'])} "
+                     f"{ms(r['compiled_seconds'])}   ({r['operators']} vs {r['kernels']})"
+                     for r in self.compute_rows[:8]]
         return rows
 
 
@@ -383,12 +396,53 @@ def predicted_compute_seconds(prepared: Prepared) -> float:
     """The compute part of the plan's simulated step: every operator's compute times its
     executions (recomputations included), less the recomputation a Lynx plan hides under
     communication; the rest of the step is communication."""
+    return float(_operator_compute(prepared).sum()) \
+        - prepared.plan.simulation.overlapped_recompute_seconds
+
+
+def _operator_compute(prepared: Prepared) -> np.ndarray:
+    """Per operator of the plan's problem, its compute times its executions (recomputations
+    included)."""
     plan, problem = prepared.plan, prepared.build.problem
     compute, _, _ = problem.costs_of(plan.strategy)
     executions = np.ones(problem.num_nodes)
     for node, stages in plan.recompute_at.items():
         executions[node] += len(stages)
-    return float(compute @ executions) - plan.simulation.overlapped_recompute_seconds
+    return compute * executions
+
+
+def compute_rows(prepared: Prepared, compiled=None) -> tuple:
+    """The plan's compute against the compiled step's, by the JAX operation they come from
+    (:func:`kiwi_jax.estimate.source_operation`: the primitive, and whether autodiff's
+    backward pass made it): one dict per operation with ``operation``, ``predicted_seconds``
+    and ``operators`` (the model's, recomputations counted per execution), and
+    ``compiled_seconds`` and ``kernels`` (the roofline of the kernels whose ``op_name`` is
+    that operation's), the largest difference first. Their sums are
+    :func:`predicted_compute_seconds` (before a Lynx plan's hidden recomputation is taken off)
+    and :attr:`~kiwi_jax.estimate.CompiledCost.compute_seconds`. A fused chain is one kernel
+    under its root's operation, so its other operators' compute shows up as theirs predicted
+    and nothing compiled; copies XLA adds have no ``op_name`` (``copy (no op_name)``).
+
+    Args:
+      compiled: the compiled step (default: ``prepared.compiled``, the one that runs).
+    """
+    problem = prepared.build.problem
+    per_operator = _operator_compute(prepared)
+    predicted = collections.defaultdict(lambda: [0, 0.0])
+    for name, opcode, seconds in zip(problem.op_names, problem.opcodes, per_operator):
+        if seconds > 0:
+            row = predicted[source_operation(name, opcode)]
+            row[0] += 1
+            row[1] += float(seconds)
+    kernels = compute_by_operation(prepared.compiled if compiled is None else compiled,
+                                   prepared.build.cluster)
+    rows = [{"operation": op, "predicted_seconds": predicted[op][1] if op in predicted else 0.0,
+             "operators": predicted[op][0] if op in predicted else 0,
+             "compiled_seconds": kernels.get(op, (0, 0.0))[1],
+             "kernels": kernels.get(op, (0, 0.0))[0]}
+            for op in set(predicted) | set(kernels)]
+    return tuple(sorted(rows, key=lambda r: (-abs(r["predicted_seconds"]
+                                                  - r["compiled_seconds"]), r["operation"])))
 
 
 def carried_comms(prepared: Prepared) -> list:
@@ -596,7 +650,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         predicted_step_seconds=prepared.plan.predicted_step_seconds,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
         compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
-        numerics=numerics)
+        compute_rows=compute_rows(prepared, compiled), numerics=numerics)
     if tagged and (explain_memory
                    or (explain_memory is None and abs(report.memory_error) > TOLERANCE)):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),

@@ -48,12 +48,13 @@ ENTRY %main (a: f32[8,16], w: f32[16,4]) -> f32[8] {
 def test_kernels_of_literal_hlo():
     # Parameters, the bitcast and the all-reduce are no kernels; each kernel moves its operands
     # and its result once; FLOPs are the cost model's (dot 2 x out x contracted, one per
-    # elementwise output, one per reduced element; broadcasts and constants none).
+    # elementwise output, one per reduced element; broadcasts and constants none); a fusion's
+    # root is its fused computation's.
     assert kernels(_FUSED) == (
         Kernel("fusion", "fusion", 2 * 8 * 4 * 16 + 8 * 4, (8 * 16 + 16 * 4 + 8 * 4) * F32,
-               "jit(f)/dot_general"),
-        Kernel("neg", "negate", 8 * 4, 2 * 8 * 4 * F32),
-        Kernel("sum", "fusion", 8 * 4 + 8 * 4, (8 * 4 + 8) * F32),
+               "jit(f)/dot_general", root="tanh"),
+        Kernel("neg", "negate", 8 * 4, 2 * 8 * 4 * F32, root="negate"),
+        Kernel("sum", "fusion", 8 * 4 + 8 * 4, (8 * 4 + 8) * F32, root="reduce"),
     )
 
 
@@ -66,7 +67,7 @@ def test_an_optimization_barrier_is_no_kernel():
             "  %ob = (f32[8]{0}) opt-barrier(%t)\n"
             "  %g = f32[8]{0} get-tuple-element(%ob), index=0\n"
             "  ROOT %n = f32[8]{0} negate(%g)\n}\n")
-    assert kernels(text) == (Kernel("n", "negate", 8, 2 * 8 * F32),)
+    assert kernels(text) == (Kernel("n", "negate", 8, 2 * 8 * F32, root="negate"),)
 
 
 def test_kernel_reading_an_undefined_operand_is_refused():

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from hlo_tools.kernels import kernels
 from kiwi_jax.cluster import PRESETS
-from kiwi_jax.estimate import CompiledCost, compiled_cost
+from kiwi_jax.estimate import CompiledCost, compiled_cost, compute_by_operation, source_operation
 
 F32 = 4
 
@@ -67,6 +67,26 @@ def test_compute_is_the_roofline_per_kernel(data_parallel, mesh24):
         cost.flops / device.flops, cost.bytes_accessed / device.memory_bandwidth))
     assert cost.compute_upper_seconds == pytest.approx(
         cost.flops / device.flops + cost.bytes_accessed / device.memory_bandwidth)
+
+
+@pytest.mark.parametrize("op_name,opcode,operation", [
+    ("jit(step)/jvp(Block)/dot_general", "dot", "dot_general"),
+    ("jit(step)/transpose(jvp(Block))/dot_general", "dot", "dot_general (backward)"),
+    ("jit(_grads)/transpose(jvp(_grads))/tanh[accuracy=None]", "tanh", "tanh (backward)"),
+    ("jit(step)/add_any", "", "add_any"),
+    ("", "copy", "copy (no op_name)"),
+])
+def test_the_source_operation_is_the_primitive_and_the_pass(op_name, opcode, operation):
+    assert source_operation(op_name, opcode) == operation
+
+
+def test_the_compute_by_operation_adds_up_to_the_kernels(data_parallel, mesh24):
+    table = compute_by_operation(data_parallel, "v100-nvlink")
+    cost = compiled_cost(data_parallel, mesh24, "v100-nvlink")
+    assert sum(n for n, _ in table.values()) == cost.kernels
+    assert sum(s for _, s in table.values()) == pytest.approx(cost.compute_seconds)
+    # the forward dots and both kinds of gradient dots are kernels of their own
+    assert table["dot_general"][0] >= 5 and table["dot_general (backward)"][0] >= 9
 
 
 def test_to_dict_and_frozen(data_parallel, mesh24):

@@ -360,6 +360,20 @@ def test_report_sets_the_predicted_step_beside_the_compiled_estimate(mesh24):
     assert f"{plan.predicted_step_seconds * 1e3:11.4f} ms" in table
     assert f"{report.estimated_step_seconds * 1e3:11.4f} ms" in table
     assert f"({report.step_error:+.1%}" in table
+    # the compute by operation loses nothing on either side: its sums are the two computes
+    rows = report.compute_rows
+    assert len({r["operation"] for r in rows}) == len(rows) and row["compute_rows"] == list(rows)
+    assert sum(r["predicted_seconds"] for r in rows) == pytest.approx(
+        report.predicted_compute_seconds)
+    assert sum(r["compiled_seconds"] for r in rows) == pytest.approx(
+        report.compiled_cost.compute_seconds)
+    assert sum(r["kernels"] for r in rows) == report.compiled_cost.kernels
+    assert {"dot_general", "dot_general (backward)"} <= {r["operation"] for r in rows
+                                                         if r["operators"] and r["kernels"]}
+    gaps = [abs(r["predicted_seconds"] - r["compiled_seconds"]) for r in rows]
+    assert gaps == sorted(gaps, reverse=True)
+    off = abs(report.compiled_cost.compute_seconds / report.predicted_compute_seconds - 1)
+    assert ("compute by the operation it comes from" in table) == (off > TOLERANCE)
 
 
 def test_nnx_step_updates_in_place_and_compiles_once_per_shape(mesh24):
