@@ -40,8 +40,8 @@ from hlo_tools.kernels import kernels
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.sharding import Comm, collective_seconds, comm_seconds
 
-__all__ = ["CompiledCost", "compiled_cost", "compute_by_operation", "kernel_seconds",
-           "source_operation", "xla_cost_analysis"]
+__all__ = ["CompiledCost", "compiled_cost", "kernel_seconds", "source_operation",
+           "xla_cost_analysis"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,10 @@ class CompiledCost:
     collectives: dict
     """``{kind: {"count", "bytes", "seconds"}}`` of the partitioned module's collectives
     (each instruction once; bytes as :class:`kiwi_jax.sharding.Comm` counts them)."""
+    compute_by_operation: dict = dataclasses.field(default_factory=dict)
+    """:attr:`compute_seconds` by :func:`source_operation` of each kernel's ``op_name`` (XLA
+    gives a fusion its root's; without one, by the opcode of the fusion's root):
+    ``{operation: (kernels, seconds)}``."""
 
     @property
     def collective_seconds(self) -> float:
@@ -89,6 +93,7 @@ class CompiledCost:
             "compute_upper_seconds": self.compute_upper_seconds,
             "collective_seconds": self.collective_seconds, "step_seconds": self.step_seconds,
             "collectives": {k: dict(v) for k, v in self.collectives.items()},
+            "compute_by_operation": {k: list(v) for k, v in self.compute_by_operation.items()},
         }
 
 
@@ -136,14 +141,20 @@ def compiled_cost(compiled, mesh, cluster) -> CompiledCost:
         row["count"] += 1
         row["bytes"] += int(c.bytes)
         row["seconds"] += seconds
+    rooflines = [kernel_seconds(k, device) for k in found]
+    by_operation: dict[str, tuple[int, float]] = {}
+    for k, roofline in zip(found, rooflines):
+        key = source_operation(k.op_name, k.root)
+        count, seconds = by_operation.get(key, (0, 0.0))
+        by_operation[key] = (count + 1, seconds + roofline)
     return CompiledCost(
         flops=flops, bytes_accessed=nbytes, kernels=len(found),
         kernel_flops=float(sum(k.flops for k in found)),
         kernel_bytes=int(sum(k.bytes for k in found)),
-        compute_seconds=float(sum(kernel_seconds(k, device) for k in found)),
+        compute_seconds=float(sum(rooflines)),
         compute_lower_seconds=max(flops / device.flops, nbytes / device.memory_bandwidth),
         compute_upper_seconds=flops / device.flops + nbytes / device.memory_bandwidth,
-        collectives=dict(table))
+        collectives=dict(table), compute_by_operation=by_operation)
 
 
 def kernel_seconds(kernel, device) -> float:
@@ -158,8 +169,9 @@ def source_operation(op_name: str, opcode: str = "") -> str:
     metadata: the primitive (its last path component, without parameters), marked
     ``(backward)`` when JAX's autodiff made it by transposing the forward pass
     (``transpose(jvp(...))`` in the path). The key on which the model's operators and the
-    compiled kernels are set side by side (:func:`compute_by_operation`); the scopes before
-    the primitive differ between the plain step and the applied one, the primitive does not.
+    compiled kernels are set side by side (:attr:`CompiledCost.compute_by_operation`); the
+    scopes before the primitive differ between the plain step and the applied one, the
+    primitive does not.
     Without an ``op_name`` (copies XLA adds, and kernels whose metadata XLA's CPU passes drop),
     the HLO ``opcode`` marked ``(no op_name)``.
 
@@ -171,15 +183,3 @@ def source_operation(op_name: str, opcode: str = "") -> str:
     primitive = op_name.rsplit("/", 1)[-1].split("[", 1)[0]
     return f"{primitive} (backward)" if "transpose(" in op_name else primitive
 
-
-def compute_by_operation(compiled, cluster) -> dict[str, tuple[int, float]]:
-    """The compiled step's compute (:attr:`CompiledCost.compute_seconds`) by
-    :func:`source_operation` of each kernel's ``op_name`` (XLA gives a fusion its root's;
-    without one, by the opcode of the fusion's root): ``{operation: (kernels, seconds)}``."""
-    device = Cluster.parse(cluster).device
-    table: dict[str, tuple[int, float]] = {}
-    for k in kernels(compiled.as_text()):
-        key = source_operation(k.op_name, k.root)
-        count, seconds = table.get(key, (0, 0.0))
-        table[key] = (count + 1, seconds + kernel_seconds(k, device))
-    return table

@@ -29,8 +29,7 @@ from hlo_tools.compiled import (MemoryStats, collectives, device_memory, live_at
 from hlo_tools.graph import Phase
 from kiwi_jax.apply import carried_pairs
 from kiwi_jax.compile import Prepared, compiler_options
-from kiwi_jax.estimate import (CompiledCost, compiled_cost, compute_by_operation,
-                               source_operation)
+from kiwi_jax.estimate import CompiledCost, compiled_cost, source_operation
 from kiwi_jax.interpret import OVERLAP_SCOPE, tag_of
 from kiwi_jax.multihost import place, to_host
 from kiwi_jax.plan import attributed_comms, by_kind
@@ -411,20 +410,18 @@ def _operator_compute(prepared: Prepared) -> np.ndarray:
     return compute * executions
 
 
-def compute_rows(prepared: Prepared, compiled=None) -> tuple:
+def compute_rows(prepared: Prepared, cost: CompiledCost) -> tuple:
     """The plan's compute against the compiled step's, by the JAX operation they come from
     (:func:`kiwi_jax.estimate.source_operation`: the primitive, and whether autodiff's
     backward pass made it): one dict per operation with ``operation``, ``predicted_seconds``
     and ``operators`` (the model's, recomputations counted per execution), and
     ``compiled_seconds`` and ``kernels`` (the roofline of the kernels whose ``op_name`` is
-    that operation's), the largest difference first. Their sums are
+    that operation's, :attr:`~kiwi_jax.estimate.CompiledCost.compute_by_operation` of
+    ``cost``, the compiled step's estimate), the largest difference first. Their sums are
     :func:`predicted_compute_seconds` (before a Lynx plan's hidden recomputation is taken off)
-    and :attr:`~kiwi_jax.estimate.CompiledCost.compute_seconds`. A fused chain is one kernel
-    under its root's operation, so its other operators' compute shows up as theirs predicted
-    and nothing compiled; copies XLA adds have no ``op_name`` (``copy (no op_name)``).
-
-    Args:
-      compiled: the compiled step (default: ``prepared.compiled``, the one that runs).
+    and ``cost.compute_seconds``. A fused chain is one kernel under its root's operation, so
+    its other operators' compute shows up as theirs predicted and nothing compiled; copies
+    XLA adds have no ``op_name`` (``copy (no op_name)``).
     """
     problem = prepared.build.problem
     per_operator = _operator_compute(prepared)
@@ -434,13 +431,13 @@ def compute_rows(prepared: Prepared, compiled=None) -> tuple:
             row = predicted[source_operation(name, opcode)]
             row[0] += 1
             row[1] += float(seconds)
-    kernels = compute_by_operation(prepared.compiled if compiled is None else compiled,
-                                   prepared.build.cluster)
-    rows = [{"operation": op, "predicted_seconds": predicted[op][1] if op in predicted else 0.0,
-             "operators": predicted[op][0] if op in predicted else 0,
-             "compiled_seconds": kernels.get(op, (0, 0.0))[1],
-             "kernels": kernels.get(op, (0, 0.0))[0]}
-            for op in set(predicted) | set(kernels)]
+    kernels = cost.compute_by_operation
+    rows = []
+    for op in set(predicted) | set(kernels):
+        (operators, model), (count, compiled) = predicted.get(op, (0, 0.0)), \
+            kernels.get(op, (0, 0.0))
+        rows.append({"operation": op, "predicted_seconds": model, "operators": operators,
+                     "compiled_seconds": compiled, "kernels": count})
     return tuple(sorted(rows, key=lambda r: (-abs(r["predicted_seconds"]
                                                   - r["compiled_seconds"]), r["operation"])))
 
@@ -640,6 +637,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         disagreements = _operator_disagreements(prepared, attributed, carried,
                                                 collectives(separate.as_text(), ids))
     numerics = _numerics(prepared, pure, steps, mesh)
+    cost = compiled_cost(compiled, mesh, prepared.build.cluster)
     report = VerifyReport(
         budget_bytes=prepared.plan.budget_bytes,
         predicted_peak_bytes=prepared.plan.predicted_peak_bytes,
@@ -649,8 +647,7 @@ def verify_prepared(prepared: Prepared, mesh, pure=None, steps: int = 3,
         disagreements=disagreements,
         predicted_step_seconds=prepared.plan.predicted_step_seconds,
         predicted_compute_seconds=predicted_compute_seconds(prepared),
-        compiled_cost=compiled_cost(compiled, mesh, prepared.build.cluster),
-        compute_rows=compute_rows(prepared, compiled), numerics=numerics)
+        compiled_cost=cost, compute_rows=compute_rows(prepared, cost), numerics=numerics)
     if tagged and (explain_memory
                    or (explain_memory is None and abs(report.memory_error) > TOLERANCE)):
         live = live_at_peak(prepared.jitted.lower(*prepared.traced.pure.args),

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from hlo_tools.kernels import kernels
 from kiwi_jax.cluster import PRESETS
-from kiwi_jax.estimate import CompiledCost, compiled_cost, compute_by_operation, source_operation
+from kiwi_jax.estimate import CompiledCost, compiled_cost, source_operation
 
 F32 = 4
 
@@ -81,8 +81,8 @@ def test_the_source_operation_is_the_primitive_and_the_pass(op_name, opcode, ope
 
 
 def test_the_compute_by_operation_adds_up_to_the_kernels(data_parallel, mesh24):
-    table = compute_by_operation(data_parallel, "v100-nvlink")
     cost = compiled_cost(data_parallel, mesh24, "v100-nvlink")
+    table = cost.compute_by_operation
     assert sum(n for n, _ in table.values()) == cost.kernels
     assert sum(s for _, s in table.values()) == pytest.approx(cost.compute_seconds)
     # the forward dots and both kinds of gradient dots are kernels of their own
