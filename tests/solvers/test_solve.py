@@ -529,6 +529,31 @@ def test_min_peak_plan_fits_the_budget_it_reports(solver):
         solve(p, low - 1, solver=solver, search_min_feasible=False)
 
 
+def test_an_exact_peak_plan_not_counted_with_its_copies_in_time_leaves_the_bounded_one(
+        monkeypatch, caplog):
+    # Without its copies the exact form's smallest peak takes the first strategy (60 B and a
+    # 6 B operand copy, against 70 B and none); counting that plan with its copy is a solve of
+    # its own, which may find nothing in the stage's time limit: the bounded form's plan, which
+    # counts the copy, stands instead of an error.
+    p = make_problem([Phase.PARAM, Phase.FORWARD], [(0, 1)], [[0.0], [1.0, 1.1]],
+                     [[8], [60, 70]], outputs=(1,), resharding=[[[0.0, 0.0]]])
+    p = dataclasses.replace(p, gathered=(np.array([[6, 0]]),))
+    bounded, _ = solvers.min_peak_plan(p, "kiwi")
+    monkeypatch.setattr(SOLVE_MODULE, "_MIN_PEAK", {})
+
+    def no_solution(*args):
+        raise solvers.SolverError("program_peak: backend highs found no solution "
+                                  "(timeout_no_incumbent)")
+
+    monkeypatch.setattr(SOLVE_MODULE, "program_peak", no_solution)
+    with caplog.at_level(logging.INFO, logger="solvers.solve"):
+        plan, lower = solvers.min_peak_plan(p, "kiwi")
+    assert "the bounded form's plan stands" in caplog.text
+    assert plan.strategy.tolist() == bounded.strategy.tolist()
+    assert plan.budget_bytes == bounded.budget_bytes and lower <= plan.budget_bytes
+    check_claims(p, plan)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_properties_on_random_graphs(seed):
     p = random_problem(seed)
