@@ -824,9 +824,13 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
     result = joint.model.solve(backend, time_limit=time_limit, mip_gap=mip_gap, hint=hint)
     bound = int(np.floor(result.bound * joint.units.bytes)) if np.isfinite(result.bound) \
         else None
+
+    def unproven(answer: Solution):
+        """``answer`` kept with this solve's bound, as an answer a longer limit may better."""
+        return _remembered(key, time_limit, answer, bound and min(bound, answer.budget_bytes))
+
     if result.x is None:
-        return _remembered(key, time_limit, exact_from, bound and min(
-            bound, exact_from.budget_bytes)) if exact else (None, None)
+        return unproven(exact_from) if exact else (None, None)
     strategy, keep, schedule, sim = _decode(joint, problem, result.x, fixed)
     claimed = optimum = joint.claimed_peak(result.x)
     if exact and problem.gathered_of(strategy).any():
@@ -838,8 +842,7 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
             # time limit; where it finds nothing (the zoo MoE on 2x4 at 80%, under load), the
             # bounded form's plan stands, as when the exact form finds no plan.
             log.info("%s: %s; the bounded form's plan stands", solver, error)
-            return _remembered(key, time_limit, exact_from, bound and min(
-                bound, exact_from.budget_bytes))
+            return unproven(exact_from)
     needs = max(sim.peak_bytes, claimed or 0)
     plan = Solution(solver=solver, backend=backend, status=result.status,
                     objective=sim.step_seconds, gap=float("nan"), solve_seconds=result.seconds,
@@ -850,7 +853,7 @@ def _min_peak(problem, solver, backend, time_limit, reuse_layers, mip_gap,
     if exact and exact_from.budget_bytes <= needs:
         plan = exact_from
     if result.status != Status.OPTIMAL:
-        return _remembered(key, time_limit, plan, bound and min(bound, plan.budget_bytes))
+        return unproven(plan)
     lower = min(optimum if exact else needs, plan.budget_bytes)
     return _remembered(key, time_limit, plan, lower, proven=True)
 
