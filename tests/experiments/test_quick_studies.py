@@ -94,6 +94,7 @@ def test_solver_scaling_quick(results, capsys):
     assert report.scaling_table(result).count("\n") == len(ops) + 1       # a line per depth
 
 
+@pytest.mark.scenario
 def test_optimality_quick(results, capsys):
     # on 2x2: kiwi-full solves to its optimum at every budget, the study in 23 s (44 s on 2x4)
     result = _run(optimality, results, capsys, "optimality", "--mesh", "2x2")
@@ -110,6 +111,7 @@ def test_optimality_quick(results, capsys):
         sum((r["kiwi_latency"] is None) + (r["kiwi_full_latency"] is None) for r in rows)
 
 
+@pytest.mark.scenario
 def test_lynx_pipeline_quick(results, capsys):
     returned = lynx_pipeline.main(["--quick", "--json"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -133,6 +135,7 @@ def test_lynx_pipeline_quick(results, capsys):
     assert opt["heu_throughput_vs_bound"] <= opt["heu_throughput_vs_opt"] + TOL
 
 
+@pytest.mark.scenario
 def test_remat_baselines_quick(results, capsys):
     returned = remat_baselines.main(["--quick", "--json"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -207,6 +210,7 @@ def test_sized_fidelity_compiles_the_reference_plan_at_its_sizes(results, capsys
     assert row["memory_error"] == round(row["predicted_bytes"] / row["compiled_bytes"] - 1, 4)
 
 
+@pytest.mark.scenario
 def test_cost_agreement_quick(results, capsys):
     result = _run(cost_agreement, results, capsys, "cost_agreement")
     rows = result["rows"]

@@ -86,6 +86,7 @@ def test_the_cli_refuses_a_negative_fit_deadline_before_any_work(capsys):
 
 
 # ------------------------------------------------------------------ the decorator
+@pytest.mark.scenario
 def test_a_faster_recipe_runs_and_matches_the_plain_step(mesh24):
     """The GPT: ``tp`` fits and is estimated faster than kiwi's plan (which fits too), so
     ``tp`` runs, and it computes what the plain step does."""

@@ -84,6 +84,7 @@ def test_the_reference_plan_exports_a_policy_that_saves_every_named_value_read_b
     assert abs(hand - decorator) <= 0.02 * decorator, (hand, decorator)
 
 
+@pytest.mark.scenario
 def test_a_hand_written_step_with_a_plans_policies_recomputes_what_it_drops():
     # the plan solved under 85%, without the budget search, recomputes values in every layer
     # (7-8 on jax 0.10, the MLP activation among them; 15-16 on jax 0.11, the norms). Which plan
@@ -123,6 +124,7 @@ def _without_key_biases(state) -> list:
     return leaves
 
 
+@pytest.mark.scenario
 def test_the_exported_specs_are_the_applied_steps_input_shardings():
     # one compile: the reference plan fits, and the program with the layouts left free (three
     # more solves and compiles, 76 of the test's 88 s) is not tried
@@ -194,6 +196,7 @@ def test_policy_of_every_layer_needs_layers_that_save_alike():
         export.policy(2)
 
 
+@pytest.mark.scenario
 def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_smaller():
     # the zoo Llama on one device at 57%: recomputed value by value, its plan compiles to 1.07
     # of the budget (1,557,996 B for 1,457,517 B); the plan that runs fits, as its export
@@ -215,6 +218,7 @@ def test_on_one_device_a_plan_over_its_budget_runs_as_its_export_when_that_is_sm
     assert applied.program == "blocks" and applied.memory.peak_bytes == blocks
 
 
+@pytest.mark.scenario
 def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_search_fits():
     # a two-block zoo ViT at nothing_saveable's compiled memory, one compile for the search:
     # its plan compiles over, and the planner's whole-block recomputation fits (value by
@@ -233,6 +237,7 @@ def test_on_one_device_whole_block_recomputation_runs_where_no_plan_of_the_searc
     assert "whole-block recomputation" in optimized.explain()
 
 
+@pytest.mark.scenario
 def test_on_a_mesh_the_settled_plan_runs_as_its_export_where_that_is_faster_in_the_budget(
         mesh24):
     # the named model on 2x4 at 80%, one compile for the search: its plan compiles over, the

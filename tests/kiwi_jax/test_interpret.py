@@ -110,6 +110,7 @@ def test_values_fused_into_a_recomputation_are_recomputed_for_it(whole_layers_vi
     assert with_leaders < 0.95 * _applied_peak(prepared, mesh, fused)
 
 
+@pytest.mark.scenario
 def test_over_its_budget_the_backward_pass_reshards_the_arguments_and_reduces_the_gradients(
         mesh24):
     # The plan prices a weight the backward pass reads in another spec as a copy made for that
@@ -143,6 +144,7 @@ def test_over_its_budget_the_backward_pass_reshards_the_arguments_and_reduces_th
     assert reductions[1] > reductions[0] + 4, reductions     # not merged at the end
 
 
+@pytest.mark.scenario
 def test_gradients_tied_into_the_backward_pass_change_no_value(mesh24):
     step, args = zoo.make("llama", abstract=False, seed=0)
     prepared = kiwi_jax.optimize(step, mesh=mesh24, memory_budget="100%", cache_dir=False,

@@ -172,6 +172,7 @@ def _run_processes(tmp_path, timeout, **config) -> list[dict]:
     return outputs
 
 
+@pytest.mark.scenario
 def test_two_processes_run_one_plan_like_one_process_on_eight_devices(tmp_path, mesh24):
     start = time.perf_counter()
     # the sharding-only solver: no plan of the reference GPT or this Llama comes near this

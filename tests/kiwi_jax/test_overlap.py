@@ -14,6 +14,9 @@ from kiwi_jax.interpret import is_unit, unit_of
 from kiwi_jax.models import build
 from kiwi_jax.verify import max_rel_diff, overlap_placements
 
+# two plans solved and compiled for the module (the setup of its first test, 51-61 s)
+pytestmark = pytest.mark.scenario
+
 CONFIG = {"layers": 3, "hidden": 128, "heads": 4, "seq": 32, "batch": 8, "vocab": 64}
 
 

@@ -120,6 +120,7 @@ def test_least_memory_recipe_plan_is_as_fast_and_holds_no_more(planned, solution
     assert np.array_equal(least.keep, fastest.keep)
 
 
+@pytest.mark.scenario
 def test_the_solvers_start_is_the_fastest_recipe_that_fits_of_the_first_policy_with_one(
         planned, solutions, mesh24):
     traced, build = planned
