@@ -121,7 +121,7 @@ def tricks(time_limit) -> list[dict]:
                                               tie=solvers.layer_ties(problem) if reuse else None)
             rows.append({"model": "gpt", "layers": 2, **config, "merge": merge,
                          "strategy_variables": int(len(problem.leaders)),
-                         "operators": problem.num_nodes, "memory_rows": int(len(joint.u_vars)),
+                         "operators": problem.num_nodes, "memory_rows": len(joint.alive),
                          **row})
     return rows
 

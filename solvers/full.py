@@ -199,4 +199,4 @@ def build_full(problem: ShardingProblem, budget_bytes: int | None,
     else:
         model.minimize(total(objective))
     return FullModel(model, b.s_vars, {}, peak_var, time.perf_counter() - start, b.units,
-                     b.u_vars, a_vars=a, pres_vars=pres)
+                     b.alive, a_vars=a, pres_vars=pres)

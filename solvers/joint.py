@@ -21,7 +21,9 @@ Variables and rows:
   condition (big-M, exact on the <= side). The operand copy an edge's resharding makes lives
   in its reader's stage, its bytes in the same joint indicators as the edge's seconds. ``U_k``,
   the bytes alive at the k-th time where some lifetime ends (only there can the peak occur),
-  follow the recurrence of eq. 3 and stay under the budget (eq. 8).
+  stay under the budget (eq. 8): as variables following the recurrence of eq. 3 where
+  strategies are chosen, as the sums of the terms alive there where none is (one device; see
+  :meth:`Builder.limit_memory`).
 - Eq. 9 (inputs of a recomputed node are kept): ``m_i + m_j >= 1`` on every edge i -> j between
   recomputable nodes (eq. 31 for binary m), except inside a layer: there a dropped value may be
   recomputed from other dropped values of the layer, as ``jax.checkpoint`` around a block does
@@ -42,13 +44,14 @@ import math
 import time
 
 import numpy as np
+import scipy.sparse as sp
 
 from solvers.backend import PEAK_SCALINGS, TIME_SCALINGS, Model
 from solvers.linexpr import Expr, const, total, var
 from solvers.phase import Phase
 from solvers.problem import ShardingProblem
 
-__all__ = ["JointModel", "build_joint", "Builder", "Units"]
+__all__ = ["JointModel", "build_joint", "Builder", "Units", "Alive"]
 
 
 
@@ -82,6 +85,33 @@ class Units:
         return 1.0 / self.bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Alive:
+    """The bytes alive at each time where some lifetime ends, ``U_k``, as an affine map of the
+    program's variables: ``matrix @ x + constant``, in memory units."""
+
+    matrix: sp.csr_matrix
+    constant: np.ndarray
+
+    @classmethod
+    def none(cls, num_vars: int = 0) -> "Alive":
+        return cls(sp.csr_matrix((0, num_vars)), np.zeros(0))
+
+    @classmethod
+    def of_vars(cls, u: np.ndarray, num_vars: int) -> "Alive":
+        """``U_k`` held in variables ``u[k]``."""
+        k = len(u)
+        return cls(sp.csr_matrix((np.ones(k), (np.arange(k), u)), shape=(k, num_vars)),
+                   np.zeros(k))
+
+    def __len__(self) -> int:
+        return self.matrix.shape[0]
+
+    def at(self, x: np.ndarray) -> np.ndarray:
+        """``U_k`` of a solution."""
+        return self.matrix @ x[:self.matrix.shape[1]] + self.constant
+
+
 @dataclasses.dataclass
 class JointModel:
     """The MILP and what is needed to read a plan back from its solution."""
@@ -99,14 +129,14 @@ class JointModel:
     """Time spent building."""
     units: Units
     """The units of the model's time and memory."""
-    u_vars: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    """Indices of the U_k (bytes alive where a lifetime ends); empty without memory rows."""
+    alive: Alive = dataclasses.field(default_factory=Alive.none)
+    """The U_k (bytes alive where a lifetime ends); none without memory rows."""
 
     def claimed_peak(self, x: np.ndarray) -> int | None:
         """The peak the program claims for a solution (None without memory rows)."""
-        if not len(self.u_vars):
+        if not len(self.alive):
             return None
-        return int(round(float(x[self.u_vars].max()) * self.units.bytes))
+        return int(round(float(self.alive.at(x).max()) * self.units.bytes))
 
     def decode(self, problem: ShardingProblem, x: np.ndarray, fixed_keep=None):
         """``(strategy per node, keep per node)`` from a MILP solution."""
@@ -148,7 +178,7 @@ class Builder:
         self.copies = copies
         self.model = Model()
         self.units = Units.for_problem(problem)
-        self.u_vars = np.zeros(0, np.int64)
+        self.alive = Alive.none()
         self.tie = np.arange(problem.num_nodes) if tie is None else np.asarray(tie)
         self.s_vars: dict[int, np.ndarray] = {}
         self.e_cache: dict = {}
@@ -236,12 +266,20 @@ class Builder:
             :func:`build_joint`); None: rows at every time.
 
         The peak can only occur where some interval ends, so ``U_k`` is kept for those times
-        only, by the recurrence ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8). An
-        integer time is a stage, and an interval from one holds over the stage's
+        only. An integer time is a stage, and an interval from one holds over the stage's
         recomputations too; a fractional time is the recomputation of a node in a stage
         (:func:`recomputation_time`), where a chain's intermediate lives.
+
+        Where strategies are chosen, ``U_k`` are variables following the recurrence
+        ``U_k = U_{k-1} + entering - leaving`` (KIWI eq. 3, 8): a parameter's bytes, alive
+        at every time, then enter one row, not thousands. Where none is (one device), each
+        ``U_k`` is the sum of the terms alive at k, a knapsack row over the keep flags whose
+        cuts the backend finds at once; through the recurrence it must aggregate along the
+        chain for them. On the zoo Llama on one device at 57% (its 68 keep flags) HiGHS
+        proves the plans in 3.6, 4.5 and 1.8 s against 9.3, 5.7 and 27.2 s through the
+        recurrence; on a mesh the sums' strategy terms make the rows 5-15x denser and the
+        solves slower (docs/solvers.md).
         """
-        model = self.model
         terms = [t for t in terms if not t[0].is_constant or t[0].constant]
         # a whole stage (integer times) spans its recomputations (sub-stage times, below)
         terms = [(e, a - 1 + 0.5 / (self.p.num_nodes + 1) if float(a).is_integer() else a, z)
@@ -251,31 +289,71 @@ class Builder:
             ends = ends[~skip[np.ceil(ends).astype(np.int64)]]
         first_k = np.searchsorted(ends, [a for _, a, _ in terms])
         last_k = np.searchsorted(ends, [z for _, _, z in terms], side="right") - 1
+        spans = [(expr, int(fk), int(lk)) for (expr, _, _), fk, lk in zip(terms, first_k, last_k)
+                 if fk <= lk]
         most = sum(float(m.max()) for m in (*self.p.memory, *self.p.gathered)) / self.units.bytes
-        u = model.add_vars(len(ends), lb=0.0, integer=False,
-                           resolution=self.units.memory_resolution,
-                           ub=most if minimize_peak else min(most, budget / self.units.bytes))
-        self.u_vars = u
-        enter: list[list[Expr]] = [[] for _ in ends]
-        leave: list[list[Expr]] = [[] for _ in ends]
-        for (expr, _, _), fk, lk in zip(terms, first_k, last_k):
-            if fk > lk:
-                continue
+        limit = most if minimize_peak else min(most, budget / self.units.bytes)
+        peak = None
+        if minimize_peak:
+            peak = self.model.add_var(lb=0.0, ub=most, integer=False,
+                                      resolution=self.units.memory_resolution)
+        if self.s_vars:
+            self._recurrence(spans, len(ends), limit, most, peak)
+        else:
+            self._sums(spans, len(ends), limit, peak)
+        return peak
+
+    def _recurrence(self, spans, count: int, limit: float, most: float,
+                    peak: int | None) -> None:
+        """``U_k`` as variables: ``U_k = U_{k-1} + entering - leaving``, each at most the
+        limit (at most ``peak`` when minimising it)."""
+        model = self.model
+        u = model.add_vars(count, lb=0.0, integer=False, resolution=self.units.memory_resolution,
+                           ub=limit)
+        enter: list[list[Expr]] = [[] for _ in range(count)]
+        leave: list[list[Expr]] = [[] for _ in range(count)]
+        for expr, fk, lk in spans:
             enter[fk].append(expr)
-            if lk + 1 < len(ends):
+            if lk + 1 < count:
                 leave[lk + 1].append(expr)
-        for k in range(len(ends)):
+        for k in range(count):
             row = var(int(u[k])) - total(enter[k]) + total(leave[k])
             if k:
                 row = row - var(int(u[k - 1]))
             model.add_row(row, 0.0, 0.0)
-        if not minimize_peak:
-            return None
-        peak = model.add_var(lb=0.0, ub=most, integer=False,
-                             resolution=self.units.memory_resolution)
-        for u_k in u:
-            model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
-        return peak
+        if peak is not None:
+            for u_k in u:
+                model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
+        self.alive = Alive.of_vars(u, model.num_vars)
+
+    def _sums(self, spans, count: int, limit: float, peak: int | None) -> None:
+        """``U_k`` as the sum of the terms alive at k, each sum at most the limit (at most
+        ``peak`` when minimising it)."""
+        model = self.model
+        size = [len(expr.indices) for expr, _, _ in spans]
+        length = [lk - fk + 1 for _, fk, lk in spans]
+        rows = np.concatenate([np.zeros(0, np.int64)] + [
+            np.repeat(np.arange(fk, lk + 1), n) for (_, fk, lk), n in zip(spans, size)])
+        cols = np.concatenate([np.zeros(0, np.int64)] + [
+            np.tile(expr.indices, m) for (expr, _, _), m in zip(spans, length)])
+        vals = np.concatenate([np.zeros(0)] + [
+            np.tile(expr.coefs, m) for (expr, _, _), m in zip(spans, length)])
+        change = np.zeros(count + 1)
+        for expr, fk, lk in spans:
+            change[fk] += expr.constant
+            change[lk + 1] -= expr.constant
+        constant = np.cumsum(change[:-1])
+        matrix = sp.csr_matrix((vals, (rows, cols)), shape=(count, model.num_vars))
+        matrix.sum_duplicates()
+        for k in range(count):
+            lo, hi = matrix.indptr[k], matrix.indptr[k + 1]
+            indices, coefs = matrix.indices[lo:hi], matrix.data[lo:hi]
+            if peak is None:
+                model.add_terms(indices, coefs, -np.inf, limit - constant[k])
+            else:
+                model.add_terms(np.append(indices, peak), np.append(coefs, -1.0), -np.inf,
+                                -constant[k])
+        self.alive = Alive(matrix, constant)
 
     def exact_and(self, x: Expr, y: Expr) -> Expr:
         """The conjunction of two 0/1 expressions, exact at integer values of what they are
@@ -513,7 +591,7 @@ def build_joint(problem: ShardingProblem, budget_bytes: int | None, fixed_keep=N
     else:
         model.minimize(total(objective))
     return JointModel(model, b.s_vars, m_vars, peak_var, time.perf_counter() - start, b.units,
-                      b.u_vars)
+                      b.alive)
 
 
 def _recompute_inputs_kept(p, model, m_vars, keep_expr, droppable) -> None:
