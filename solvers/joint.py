@@ -277,7 +277,7 @@ class Builder:
         cuts the backend finds at once; through the recurrence it must aggregate along the
         chain for them. On the zoo Llama on one device at 57% (its 68 keep flags) HiGHS
         proves the plans in 3.6, 4.5 and 1.8 s against 9.3, 5.7 and 27.2 s through the
-        recurrence; on a mesh the sums' strategy terms make the rows 5-15x denser and the
+        recurrence; on a mesh the sums' strategy terms make the rows 3-15x denser and the
         solves slower (docs/solvers.md).
         """
         terms = [t for t in terms if not t[0].is_constant or t[0].constant]
@@ -298,13 +298,12 @@ class Builder:
             peak = self.model.add_var(lb=0.0, ub=most, integer=False,
                                       resolution=self.units.memory_resolution)
         if self.s_vars:
-            self._recurrence(spans, len(ends), limit, most, peak)
+            self._recurrence(spans, len(ends), limit, peak)
         else:
             self._sums(spans, len(ends), limit, peak)
         return peak
 
-    def _recurrence(self, spans, count: int, limit: float, most: float,
-                    peak: int | None) -> None:
+    def _recurrence(self, spans, count: int, limit: float, peak: int | None) -> None:
         """``U_k`` as variables: ``U_k = U_{k-1} + entering - leaving``, each at most the
         limit (at most ``peak`` when minimising it)."""
         model = self.model
