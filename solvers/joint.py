@@ -85,6 +85,12 @@ class Units:
         return 1.0 / self.bytes
 
 
+SUMS_MAX_NONZEROS = 2_000_000
+"""The most nonzeros the memory rows are written with as sums (:meth:`Builder.limit_memory`):
+the largest measured, the reference GPT on one device, had 1.76 M and solved as fast as through
+the recurrence; beyond, unmeasured, the recurrence, linear in the graph's size, is kept."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Alive:
     """The bytes alive at each time where some lifetime ends, ``U_k``, as an affine map of the
@@ -278,7 +284,8 @@ class Builder:
         chain for them. On the zoo Llama on one device at 57% (its 68 keep flags) HiGHS
         proves the plans in 3.6, 4.5 and 1.8 s against 9.3, 5.7 and 27.2 s through the
         recurrence; on a mesh the sums' strategy terms make the rows 3-15x denser and the
-        solves slower (docs/solvers.md).
+        solves slower (docs/solvers.md). Sums with more than :data:`SUMS_MAX_NONZEROS`
+        nonzeros are written as the recurrence too.
         """
         terms = [t for t in terms if not t[0].is_constant or t[0].constant]
         # a whole stage (integer times) spans its recomputations (sub-stage times, below)
@@ -297,7 +304,8 @@ class Builder:
         if minimize_peak:
             peak = self.model.add_var(lb=0.0, ub=most, integer=False,
                                       resolution=self.units.memory_resolution)
-        if self.s_vars:
+        nonzeros = sum(len(expr.indices) * (lk - fk + 1) for expr, fk, lk in spans)
+        if self.s_vars or nonzeros > SUMS_MAX_NONZEROS:
             self._recurrence(spans, len(ends), limit, peak)
         else:
             self._sums(spans, len(ends), limit, peak)

@@ -311,3 +311,36 @@ def test_a_problem_built_again_gets_the_smallest_peak_found_for_the_first(monkey
     assert solvers.min_peak_plan(again, "kiwi") == answer
     with pytest.raises(AssertionError, match="solved again"):
         solvers.min_peak_plan(other, "kiwi")
+
+
+@pytest.mark.parametrize("exact_chains", [False, True])
+def test_on_one_device_the_bytes_alive_as_sums_give_the_recurrences_plans(exact_chains,
+                                                                          monkeypatch):
+    """One strategy per node: the memory rows are the sums of the terms alive at each time
+    (``Builder._sums``); above ``SUMS_MAX_NONZEROS`` the recurrence's variables. Both forms have
+    the same smallest peak and the same optimum at every budget, and each claims a peak
+    between the simulator's and the budget."""
+    p = _layers(random_problem(0, layers=2, width=3, max_strategies=1), 2, 3)
+    caps = (solvers.joint.SUMS_MAX_NONZEROS, 0)
+
+    def solved(cap, budget):
+        monkeypatch.setattr(solvers.joint, "SUMS_MAX_NONZEROS", cap)
+        joint = build_joint(p, budget, minimize_peak=budget is None, exact_chains=exact_chains)
+        return joint, joint.model.solve("highs", time_limit=10, mip_gap=1e-9)
+
+    (sums, by_sums), (recurrence, by_recurrence) = (solved(cap, None) for cap in caps)
+    assert recurrence.model.num_vars == sums.model.num_vars + len(recurrence.alive)
+    assert by_sums.objective == pytest.approx(by_recurrence.objective, rel=1e-6)
+    smallest = sums.claimed_peak(by_sums.x)
+    assert smallest == recurrence.claimed_peak(by_recurrence.x)
+    peak = simulate(p, np.zeros(p.num_nodes, int)).peak_bytes
+    fractions = (1.0, 0.96, 0.9, 0.86)
+    assert smallest <= fractions[-1] * peak
+    for fraction in fractions:
+        budget = int(fraction * peak)
+        (sums, by_sums), (recurrence, by_recurrence) = (solved(cap, budget) for cap in caps)
+        assert by_sums.objective == pytest.approx(by_recurrence.objective, rel=1e-6)
+        for joint, result in ((sums, by_sums), (recurrence, by_recurrence)):
+            strategy, keep = joint.decode(p, result.x)
+            replayed = simulate(p, strategy, keep).peak_bytes
+            assert replayed <= joint.claimed_peak(result.x) <= budget
