@@ -300,20 +300,23 @@ class Builder:
                  if fk <= lk]
         most = sum(float(m.max()) for m in (*self.p.memory, *self.p.gathered)) / self.units.bytes
         limit = most if minimize_peak else min(most, budget / self.units.bytes)
+        nonzeros = sum(len(expr.indices) * (lk - fk + 1) for expr, fk, lk in spans)
+        sums = not self.s_vars and nonzeros <= SUMS_MAX_NONZEROS
+        u = None if sums else self._recurrence(spans, len(ends), limit)
         peak = None
         if minimize_peak:
             peak = self.model.add_var(lb=0.0, ub=most, integer=False,
                                       resolution=self.units.memory_resolution)
-        nonzeros = sum(len(expr.indices) * (lk - fk + 1) for expr, fk, lk in spans)
-        if self.s_vars or nonzeros > SUMS_MAX_NONZEROS:
-            self._recurrence(spans, len(ends), limit, peak)
-        else:
+        if sums:
             self._sums(spans, len(ends), limit, peak)
+        elif peak is not None:
+            for u_k in u:
+                self.model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
         return peak
 
-    def _recurrence(self, spans, count: int, limit: float, peak: int | None) -> None:
-        """``U_k`` as variables: ``U_k = U_{k-1} + entering - leaving``, each at most the
-        limit (at most ``peak`` when minimising it)."""
+    def _recurrence(self, spans, count: int, limit: float) -> np.ndarray:
+        """``U_k`` as variables, ``U_k = U_{k-1} + entering - leaving``, each at most the
+        limit; returns their indices."""
         model = self.model
         u = model.add_vars(count, lb=0.0, integer=False, resolution=self.units.memory_resolution,
                            ub=limit)
@@ -328,10 +331,8 @@ class Builder:
             if k:
                 row = row - var(int(u[k - 1]))
             model.add_row(row, 0.0, 0.0)
-        if peak is not None:
-            for u_k in u:
-                model.add_row(var(int(u_k)) - var(peak), -np.inf, 0.0)
         self.alive = Alive.of_vars(u, model.num_vars)
+        return u
 
     def _sums(self, spans, count: int, limit: float, peak: int | None) -> None:
         """``U_k`` as the sum of the terms alive at k, each sum at most the limit (at most
