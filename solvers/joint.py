@@ -100,8 +100,9 @@ class Alive:
     constant: np.ndarray
 
     @classmethod
-    def none(cls, num_vars: int = 0) -> "Alive":
-        return cls(sp.csr_matrix((0, num_vars)), np.zeros(0))
+    def none(cls) -> "Alive":
+        """No memory rows."""
+        return cls(sp.csr_matrix((0, 0)), np.zeros(0))
 
     @classmethod
     def of_vars(cls, u: np.ndarray, num_vars: int) -> "Alive":
