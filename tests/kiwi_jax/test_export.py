@@ -296,6 +296,7 @@ def _losses(pure, steps=2) -> list[float]:
     return losses
 
 
+@pytest.mark.scenario
 def test_a_scanned_models_export_keeps_the_scan_and_its_numerics():
     """Layers stacked for ``nnx.scan``: the export's policy runs the scan's body (one
     checkpoint for every layer); the compiled step keeps its loops and computes the plain

@@ -545,6 +545,7 @@ def test_indivisible_dimensions_exclude_strategies_not_crash(mesh24):
     assert report.max_param_rel_diff <= 1e-5
 
 
+@pytest.mark.scenario
 def test_explain_prints_layers_and_writes_png(tmp_path, mesh_factory):
     step, args = _step("gpt", mesh_factory((1, 8)), budget="85%")     # 1x8 solves fastest
     step.lower(*args)
@@ -591,6 +592,7 @@ def test_custom_optax_chain_in_a_user_step(mesh_factory):
     assert report.max_param_rel_diff <= 1e-5 and report.max_loss_rel_diff <= 1e-5
 
 
+@pytest.mark.scenario
 def test_a_chain_recomputed_inside_a_layer_matches_the_plain_step(mesh_factory):
     """Full recomputation keeps only what crosses a layer boundary: dropped values are
     recomputed from other dropped values of their layer, as jax.checkpoint around a block
