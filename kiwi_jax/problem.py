@@ -16,7 +16,7 @@ import numpy as np
 
 from hlo_tools.compiled import Held, device_memory, stored_bytes
 from hlo_tools.graph import OpGraph
-from hlo_tools.liveness import fused_values, held_operands, liveness
+from hlo_tools.liveness import constant_values, fused_values, held_operands, liveness
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.interpret import tag_of
 from kiwi_jax.merge import merge_followers
@@ -47,8 +47,9 @@ class ProblemBuild:
       unsupported: opcodes that fell back to the replicated strategy.
       memory_model: the memory model the problem was built with (``operator`` or ``fused``;
         ``auto`` resolved).
-      fused: bool per node, the values charged no memory (fused into their readers); none
-        with the operator model.
+      fused: bool per node, the values charged no memory (fused into their readers); with
+        the operator model, those made of constants alone
+        (:func:`hlo_tools.liveness.constant_values`).
       donated: whether the carried state was taken as donated (:func:`build_problem`).
     """
 
@@ -122,7 +123,8 @@ class _ReshardCache:
 
 
 MEMORY_MODELS = ("auto", "operator", "fused")
-"""How values are charged memory: ``operator``, every operator's output is a buffer; ``fused``,
+"""How values are charged memory: ``operator``, every operator's output is a buffer but those
+made of constants alone (:func:`hlo_tools.liveness.constant_values`); ``fused``,
 values XLA fuses into their readers hold none and their readers hold what those values read
 (:func:`hlo_tools.liveness.fused_values`); ``auto``, ``fused`` on one device, and on a mesh
 the one of the two whose prediction of the reference plan is closer to that plan compiled
@@ -193,7 +195,7 @@ def build_problem(graph: OpGraph, mesh, cluster, merge: bool = True,
         cache.matrix(graph.nodes[value].nbytes, tuple(s.out for s in strategies[value]),
                      tuple(s.out for s in strategies[param]))
         for value, param in carried)
-    fused = loop_fused.copy() if memory_model == "fused" else np.zeros(len(graph), bool)
+    fused = loop_fused.copy() if memory_model == "fused" else constant_values(graph)
     scale = np.ones(len(graph))              # what the compiler holds of the value
     if donated:                  # a state leaf returned as it came is its argument still
         scale[[v for v, _ in carried if graph.nodes[v].phase != Phase.PARAM]] = 0.0
