@@ -89,8 +89,8 @@ def constant_values(graph: OpGraph) -> np.ndarray:
     broadcast, reshape or convert of such values: a GELU's or a norm's constants broadcast to
     an activation's shape) that XLA fuses into all its readers (:func:`fused_values`). XLA
     computes such a value inside each reader, in whatever sharding the reader wants, and stores
-    it nowhere, so every memory model charges it nothing (docs/cost_model.md, "Constants
-    broadcast to an activation's shape")."""
+    it nowhere, so every memory model charges it nothing (docs/cost_model.md, "Values made of
+    constants alone hold nothing")."""
     constant = np.zeros(len(graph), bool)
     for node in graph.nodes:
         constant[node.id] = (node.opcode in ("constant", "iota")

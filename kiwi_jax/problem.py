@@ -291,8 +291,9 @@ def closer_to_compiled(build: ProblemBuild, compiled, solution, carried=()) -> P
     peak, the operator model charges every value of a chain XLA fuses (the reference GPT at
     hidden 1024, seq 1024 on 2x4: +18.7% against the fused model's -0.0%; +38.2% while it
     charged the values made of constants alone too); the fused model misses the copies the
-    partitioner makes for the plan's layouts (the zoo ViT at dim 768: -19.5% against -9.3%). The same decisions predicted on both builds (their strategies
-    are the same) are set against the one compile that is there to judge them."""
+    partitioner makes for the plan's layouts (the zoo ViT at dim 768: -19.5% against -9.3%).
+    The same decisions predicted on both builds (their strategies are the same) are set
+    against the one compile that is there to judge them."""
     if build.memory_model != "operator":
         raise ValueError(f"expected the operator model's build, got {build.memory_model!r}")
     fused = with_stored(of_memory_model(build, "fused", carried), compiled, carried)
