@@ -22,8 +22,7 @@ import numpy as np
 
 from hlo_tools.graph import OpGraph, Phase
 
-__all__ = ["Liveness", "liveness", "fused_values", "constant_values", "held_operands",
-           "ELEMENTWISE"]
+__all__ = ["Liveness", "liveness", "fused_values", "held_operands", "ELEMENTWISE"]
 
 ELEMENTWISE = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder", "and",
@@ -77,26 +76,6 @@ def fused_values(graph: OpGraph) -> np.ndarray:
             continue
         fused[node.id] = len(users) == 1 or node.opcode not in EXPENSIVE
     return fused
-
-
-CONSTANT_PRODUCERS = frozenset({"constant", "iota", "broadcast", "reshape", "bitcast", "convert",
-                                "copy"})
-"""Operators whose value is a compile-time constant when all their operands are."""
-
-
-def constant_values(graph: OpGraph) -> np.ndarray:
-    """bool per node: a value made of compile-time constants alone (a constant or an iota, or a
-    broadcast, reshape or convert of such values: a GELU's or a norm's constants broadcast to
-    an activation's shape) that XLA fuses into all its readers (:func:`fused_values`). XLA
-    computes such a value inside each reader, in whatever sharding the reader wants, and stores
-    it nowhere, so every memory model charges it nothing (docs/cost_model.md, "Values made of
-    constants alone hold nothing")."""
-    constant = np.zeros(len(graph), bool)
-    for node in graph.nodes:
-        constant[node.id] = (node.opcode in ("constant", "iota")
-                             or (node.opcode in CONSTANT_PRODUCERS and bool(node.operands)
-                                 and all(constant[o] for o in node.operands)))
-    return constant & fused_values(graph)
 
 
 def held_operands(graph: OpGraph, fused: np.ndarray) -> list[list[int]]:

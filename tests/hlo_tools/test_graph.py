@@ -8,7 +8,7 @@ from jax._src.lib import xla_client
 
 from hlo_tools.graph import Phase, UnsupportedOpError, graph_from_text
 from hlo_tools.hlo_text import DTYPE_BITS, HloParseError, parse_module, parse_shape
-from hlo_tools.liveness import constant_values, liveness
+from hlo_tools.liveness import liveness
 from hlo_tools.lower import lower_to_graph, lower_to_hlo
 from kiwi_jax.cluster import Cluster, MeshSpec
 from kiwi_jax.frontend import trace_step
@@ -281,25 +281,6 @@ def test_nested_tuple_results_are_refused_naming_the_op():
                        "compute this 'custom-call' outside the train step") as error:
         graph_from_text(_NESTED_TUPLE)
     assert "argmax" not in str(error.value)
-
-
-def test_values_of_constants_alone_hold_no_memory(gpt_graph):
-    """The GELU's constants broadcast to the MLP's activation shape are made of constants
-    alone and fused into their readers: the operator model charges them nothing, and still
-    charges a broadcast of a computed value."""
-    constant = constant_values(gpt_graph)
-    reached = np.zeros(len(gpt_graph), bool)       # computed from an argument of the step
-    for node in gpt_graph.nodes:
-        reached[node.id] = node.phase == Phase.PARAM or any(reached[o] for o in node.operands)
-    assert constant.any() and not (constant & reached).any()
-    activation = 4 * 8 * 4 * 32 * 4          # batch x seq x MLP width (4 x hidden) in f32
-    assert max(gpt_graph.nodes[i].nbytes for i in np.flatnonzero(constant)) == activation
-    problem = build_problem(gpt_graph, "2x4", "v100-nvlink", merge=False,
-                            memory_model="operator").problem
-    assert all(not problem.memory[i].any() for i in np.flatnonzero(constant))
-    computed = [i for i, node in enumerate(gpt_graph.nodes)
-                if node.opcode == "broadcast" and reached[i] and node.nbytes >= activation]
-    assert computed and all(problem.memory[i].any() for i in computed)
 
 
 def test_liveness_sets_partition_the_nodes(gpt_graph):

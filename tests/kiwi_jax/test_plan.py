@@ -70,17 +70,14 @@ def test_reuse_is_a_restriction_of_the_full_program():
         assert sim.step_seconds == pytest.approx(solution.objective, rel=1e-6)
 
 
-def test_the_reference_peak_counts_only_a_finished_peak_solve(monkeypatch):
+def test_the_reference_peak_counts_only_a_finished_peak_solve(gpt3, monkeypatch):
     """The 100% of percentage budgets does not depend on how far an unfinished peak-minimising
-    solve got: without its optimum, the reference is the fastest plan as solved. (On an MLP:
-    the small GPT's fastest plans on 1x2, 2x2 and 2x4 all peak at their least since values
-    made of constants alone hold nothing.)"""
-    mlp = _problem("mlp", "2x4", layers=3, batch=64, width=64, in_dim=64, out_dim=64)
-    finished = solvers.reference_plan(mlp)
-    fastest = SOLVE_MODULE.solve_milp(mlp, None, solvers.SolverOptions(
+    solve got: without its optimum, the reference is the fastest plan as solved."""
+    finished = solvers.reference_plan(gpt3)
+    fastest = SOLVE_MODULE.solve_milp(gpt3, None, solvers.SolverOptions(
         solver="alpa", mip_gap=SOLVE_MODULE.REFERENCE_GAP, reuse_layers=True))
     monkeypatch.setattr(SOLVE_MODULE, "REFERENCE_PEAK_SHARE", 0.0)
-    unfinished = solvers.reference_plan(mlp)
+    unfinished = solvers.reference_plan(gpt3)
     assert unfinished.objective == pytest.approx(finished.objective, rel=1e-9)
     assert unfinished.peak_bytes == fastest.peak_bytes > finished.peak_bytes
 
