@@ -301,8 +301,9 @@ class Builder:
                  if fk <= lk]
         most = sum(float(m.max()) for m in (*self.p.memory, *self.p.gathered)) / self.units.bytes
         limit = most if minimize_peak else min(most, budget / self.units.bytes)
-        nonzeros = sum(len(expr.indices) * (lk - fk + 1) for expr, fk, lk in spans)
-        sums = not self.s_vars and nonzeros <= SUMS_MAX_NONZEROS
+        # the sums' size is counted only where they may be written (no strategy binaries)
+        sums = not self.s_vars and sum(len(expr.indices) * (lk - fk + 1)
+                                       for expr, fk, lk in spans) <= SUMS_MAX_NONZEROS
         u = None if sums else self._recurrence(spans, len(ends), limit)
         peak = None
         if minimize_peak:
