@@ -209,7 +209,7 @@ def fingerprint(hlo_text: str) -> str:
 def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax.sharding.Mesh,
                      beside: dict[int, int] | None = None, chains: bool = True,
                      operand_specs: list | None = None, fused: np.ndarray | None = None,
-                     regather: bool = False, settle: bool = False):
+                     regather: bool = False, settle: bool = False, settle_bytes: int = 0):
     """The step with the plan applied, and its input/output shardings. Its backward scans
     slice their stacked inputs anew in each iteration, as the plan's graph has them
     (:attr:`~kiwi_jax.interpret.Interpreter.reslice`).
@@ -243,6 +243,9 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
         where it is made, as the plan prices it. False: XLA's all-reduce combiner may merge
         every gradient's all-reduce into a few at the end of the backward pass and hold the
         gradients unreduced until then.
+      settle_bytes: with ``settle``, the gradients are tied in by buckets of at most this many
+        bytes (their whole size), each reduced by one combined all-reduce
+        (:attr:`~kiwi_jax.interpret.Interpreter.settle_bytes`); 0: one by one.
 
     Returns:
       ``(fn, in_shardings, out_shardings)`` for ``jax.jit``; ``fn`` takes the same arguments as
@@ -294,7 +297,8 @@ def applied_function(traced: TracedStep, specs: list, recompute_nodes, mesh: jax
                               regather=resharded_for_itself if regather and operand_specs
                               is not None else None,
                               recompute=frozenset(recompute),
-                              settle=_gradient_outputs(traced) if settle else frozenset(),
+                              settle=_gradient_outputs(traced) if settle else {},
+                              settle_bytes=settle_bytes,
                               beside=anchors,
                               chained=_chained_paths(traced, recompute_nodes) if chains
                               else frozenset(),
@@ -377,14 +381,15 @@ def fused_leaders(graph, fused: np.ndarray, recompute_nodes: set[int]) -> set[in
     return out
 
 
-def _gradient_outputs(traced: TracedStep) -> frozenset:
-    """``(path, output index)`` of the backward equations whose values no other backward
-    equation reads: the gradients as the backward pass hands them to the optimizer."""
+def _gradient_outputs(traced: TracedStep) -> dict:
+    """``{(path, output index): bytes}`` of the backward equations whose values no other
+    backward equation reads: the gradients as the backward pass hands them to the optimizer,
+    with their whole size (an all-reduce holds the whole partial sum, whatever the spec the
+    gradient is handed on in)."""
     graph = traced.graph
-    return frozenset(
-        key for key, node in traced.representative.items()
-        if is_unit(key[0]) and graph.nodes[node].phase == Phase.BACKWARD
-        and all(graph.nodes[u].phase != Phase.BACKWARD for u in graph.users[node]))
+    return {key: graph.nodes[node].nbytes for key, node in traced.representative.items()
+            if is_unit(key[0]) and graph.nodes[node].phase == Phase.BACKWARD
+            and all(graph.nodes[u].phase != Phase.BACKWARD for u in graph.users[node])}
 
 
 def _anchors(traced: TracedStep, beside: dict[int, int], recompute) -> dict[str, str]:

@@ -57,6 +57,15 @@ class CompiledPlan:
     (``compile_plan(..., regather=True, settle=True)``); or ``"blocks"``, as its export, each
     block under its layer's ``jax.checkpoint`` policy
     (:func:`kiwi_jax.export.compile_exported`)."""
+    settle_bytes: int = 0
+    """``"regathered"``: the most bytes of gradients reduced together by one all-reduce in
+    the backward pass (``compile_plan(..., settle_bytes=...)``); 0: each where it is made."""
+
+    @property
+    def label(self) -> str:
+        """The program's name, with its gradients' bucket where it has one."""
+        return f"{self.program} (gradients reduced by {self.settle_bytes:,} B)" \
+            if self.settle_bytes else self.program
 
     @property
     def memory(self) -> MemoryStats:
@@ -66,7 +75,7 @@ class CompiledPlan:
 
 def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract: PureStep,
                  donate: bool = True, overlap: bool = True, regather: bool = False,
-                 settle: bool = False) -> CompiledPlan:
+                 settle: bool = False, settle_bytes: int = 0) -> CompiledPlan:
     """Apply ``plan`` (solved on ``build``, whose strategies say in which spec each operator
     reads its operands) to the traced step and compile it for ``abstract``'s argument shapes.
     The updated state (``traced.state_out``) gets the input state's layout and, with
@@ -76,8 +85,8 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
       overlap: place the recomputations a Lynx plan hides under collectives beside them.
       regather: the backward pass reshards the step's arguments and the forward pass's values
         again, for each reader (:func:`~kiwi_jax.apply.applied_function`).
-      settle: each gradient is tied into the backward pass where it is made
-        (:func:`~kiwi_jax.apply.applied_function`).
+      settle: each gradient is tied into the backward pass where it is made, or by buckets
+        of at most ``settle_bytes`` (:func:`~kiwi_jax.apply.applied_function`).
     """
     fn, in_shardings, out_shardings = applied_function(
         traced, list(plan.specs), plan.recomputed, mesh,
@@ -87,7 +96,7 @@ def compile_plan(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abst
         # the fusion rules' flags, not the build's: they follow from the graph alone, so a
         # plan from the cache or from process 0 is applied as it was when it was compiled
         fused=fused_values(traced.graph) if build.memory_model == "fused" else None,
-        regather=regather, settle=settle)
+        regather=regather, settle=settle, settle_bytes=settle_bytes)
     jitted, out_shardings = jit_step(fn, in_shardings, out_shardings, traced.state_out, donate)
     compiled = jitted.lower(*abstract.args).compile(compiler_options=compiler_options())
     return CompiledPlan(tuple(in_shardings), tuple(out_shardings), traced.state_out, jitted,

@@ -84,6 +84,7 @@ References:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from typing import Callable
@@ -294,6 +295,7 @@ class _Run:
     renamed: dict = dataclasses.field(default_factory=dict)  # id(value) -> (value, tied copy)
     frontier: object = None                 # the last value made that the cotangents reach
     settling: list = dataclasses.field(default_factory=list)  # gradients not yet tied in
+    settling_bytes: int = 0                                     # their bytes
 
     def named(self, value):
         """``value`` as the backward pass reads it from now on: its copy out of the last
@@ -345,9 +347,16 @@ class Interpreter:
         other operands first, so the copy is made when the backward pass gets there and is not
         merged with the forward pass's copy of the same value (which XLA otherwise holds from
         the forward pass to the backward pass, as a kept activation). None: never.
-      settle: ``(path, output index)`` of the backward equations whose outputs are gradients
-        handed to the optimizer: each is tied into the backward pass's next equation that reads
-        a cotangent (see the module notes).
+      settle: ``{(path, output index): bytes}`` of the backward equations whose
+        outputs are gradients handed to the optimizer: each is tied into the backward pass's
+        next equation that reads a cotangent (see the module notes), by buckets of at most
+        ``settle_bytes``.
+      settle_bytes: the most bytes of gradients tied in together (a bucket: XLA's
+        combiner merges their all-reduces into one, and holds them unreduced until then): the
+        gradients made so far are tied in at the first equation reading a cotangent once the
+        next gradient to be made (in the equations' order) would not fit the bucket with
+        them; 0: each as soon as the backward pass goes on. A gradient larger than the bucket
+        is a bucket of its own; those made after the last bucket are left to the combiner.
       reslice: a scan of the backward pass slices its stacked inputs anew in each iteration,
         behind an optimization barrier tied to the iteration's carry (see the module notes).
     """
@@ -359,8 +368,11 @@ class Interpreter:
     beside: dict = dataclasses.field(default_factory=dict)
     chained: frozenset = frozenset()
     regather: Callable | None = None
-    settle: frozenset = frozenset()
+    settle: dict = dataclasses.field(default_factory=dict)
+    settle_bytes: int = 0
     reslice: bool = False
+    _gradients: list | None = dataclasses.field(default=None, init=False, repr=False,
+                                                compare=False)
 
     def __call__(self, *args_flat) -> list:
         run = _Run()
@@ -428,6 +440,17 @@ class Interpreter:
             invals[i] = copy
         return invals
 
+    def _next_gradient(self, path: str) -> int:
+        """Bytes of the gradients made by the first equation, at ``path`` or after it, that
+        makes any (0: none is left)."""
+        if self._gradients is None:
+            sizes: dict[tuple, int] = {}
+            for (where, _), size in self.settle.items():
+                sizes[path_key(where)] = sizes.get(path_key(where), 0) + size
+            self._gradients = sorted(sizes.items())
+        at = bisect.bisect_left(self._gradients, (path_key(path),))
+        return self._gradients[at][1] if at < len(self._gradients) else 0
+
     def _settled(self, run, invals) -> list:
         """``invals`` with the cotangents among them (:attr:`_Run.late`) tied through one
         optimization barrier to the gradients made so far (:attr:`settle`), which are read out of
@@ -437,7 +460,7 @@ class Interpreter:
         late = [v for v in invals if _is_array(v) and id(v) in run.late]
         if not late:
             return invals
-        settling, run.settling = run.settling, []
+        settling, run.settling, run.settling_bytes = run.settling, [], 0
         made, tied = jax.lax.optimization_barrier((settling, late))
         for value, copy in zip([*settling, *late], [*made, *tied]):
             run.read_out(value, copy)
@@ -566,7 +589,8 @@ class Interpreter:
                 for dropped in sorted(anchored.get(path, ()), key=path_key):
                     self._recompute(run, dropped, invals)
                 invals = [run.named(v) for v in invals]     # the copies out of the barriers
-                if run.settling:
+                if run.settling and run.settling_bytes + self._next_gradient(path) \
+                        > self.settle_bytes:
                     invals = self._settled(run, invals)
             elif units and self.settle and not _is_forward(str(name_stack)):
                 invals = [run.named(v) for v in invals]     # the optimizer's gradients
@@ -574,8 +598,10 @@ class Interpreter:
             if backward:
                 _follow_cotangents(run, invals, outvals)
                 if units:
-                    run.settling += [v for k, v in enumerate(outvals)
-                                     if (path, k) in self.settle and _is_array(v)]
+                    made = [(v, self.settle[(path, k)]) for k, v in enumerate(outvals)
+                            if (path, k) in self.settle and _is_array(v)]
+                    run.settling += [v for v, _ in made]
+                    run.settling_bytes += sum(size for _, size in made)
             if units and path in self.recompute and scan_body(eqn) is None:
                 unit = _Unit(eqn, path, name_stack, tuple(invals), tuple(outvals))
                 run.by_path[path] = unit

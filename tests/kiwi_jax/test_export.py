@@ -267,7 +267,8 @@ def test_on_a_mesh_the_settled_plan_runs_as_its_export_where_that_is_faster_in_t
 
 
 def _program(name, peak_bytes):
-    return types.SimpleNamespace(program=name, memory=types.SimpleNamespace(peak_bytes=peak_bytes))
+    return types.SimpleNamespace(program=name, label=name,
+                                 memory=types.SimpleNamespace(peak_bytes=peak_bytes))
 
 
 @pytest.mark.parametrize("programs, runs", [

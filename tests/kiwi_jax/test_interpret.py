@@ -202,3 +202,33 @@ def test_a_backward_reader_regathers_a_forward_value_it_reads_in_another_spec(me
     assert gathers[1] > gathers[0], gathers
     for got, want in zip(jax.tree.leaves(outs), jax.tree.leaves(_tanh_mlp_step(*args)) * 2):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bucket, most", [(0, None), (4096, None), (3 * 4096, 1)],
+                         ids=["each", "one-weight", "all"])
+def test_gradients_tied_in_by_buckets_are_reduced_together(mesh24, bucket, most):
+    # Batch-split activations and replicated weights: each weight gradient is a partial sum,
+    # all-reduced. Tied in one by one (bucket 0), each has its own all-reduce; by buckets of a
+    # weight's bytes (4,096 B) too; by a bucket that holds all three, XLA's combiner merges
+    # them into one. The values are the plain step's either way.
+    keys = jax.random.split(jax.random.key(0), 4)
+    args = ([jax.random.normal(k, (32, 32)) / 6 for k in keys[:3]],
+            jax.random.normal(keys[3], (64, 32)))
+    traced = trace_for_planning(functionalize(_tanh_mlp_step, args))
+    graph = traced.graph
+    specs = [((),) * len(n.shape.dims) for n in graph.nodes]
+    for node in graph.nodes:
+        if len(node.shape.dims) == 2 and node.shape.dims[0] == 64:
+            specs[node.id] = ((0, 1), ())
+    fn, ins, out_shardings = applied_function(traced, specs, [], mesh24, settle=True,
+                                              settle_bytes=bucket)
+    jitted, _ = jit_step(fn, ins, out_shardings, traced.state_out, donate=False)
+    reduces = jitted.lower(*traced.pure.args).compile(compiler_options()).as_text().count(
+        " all-reduce(")
+    if most is None:
+        assert reduces >= 3, reduces
+    else:
+        assert 1 <= reduces <= most, reduces
+    for got, want in zip(jax.tree.leaves(jitted(*traced.pure.args)),
+                         jax.tree.leaves(_tanh_mlp_step(*args))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
