@@ -173,6 +173,15 @@ def _tanh_mlp_step(params, x):
     return [p - 0.1 * g for p, g in zip(params, grads)], value
 
 
+def _traced_tanh_mlp():
+    """The arguments of :func:`_tanh_mlp_step` (three 32x32 weights, a batch of 64) and the
+    step traced for planning."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    args = ([jax.random.normal(k, (32, 32)) / 6 for k in keys[:3]],
+            jax.random.normal(keys[3], (64, 32)))
+    return args, trace_for_planning(functionalize(_tanh_mlp_step, args))
+
+
 def test_a_backward_reader_regathers_a_forward_value_it_reads_in_another_spec(mesh24):
     # The activations are split over the batch on both axes and every reader reads them whole:
     # the plan prices a gather for each reader. Regathering, the backward readers gather them
@@ -180,10 +189,7 @@ def test_a_backward_reader_regathers_a_forward_value_it_reads_in_another_spec(me
     # forward pass to the backward pass (on the zoo ResNet's plan at 80% on 2x4: 613,932 B
     # compiled value by value, 522,540 B regathered; reading the step's arguments only again,
     # the program did not fit either).
-    keys = jax.random.split(jax.random.key(0), 4)
-    args = ([jax.random.normal(k, (32, 32)) / 6 for k in keys[:3]],
-            jax.random.normal(keys[3], (64, 32)))
-    traced = trace_for_planning(functionalize(_tanh_mlp_step, args))
+    args, traced = _traced_tanh_mlp()
     graph = traced.graph
     specs = [((),) * len(n.shape.dims) for n in graph.nodes]
     whole = [tuple(((),) * len(graph.nodes[o].shape.dims) for o in n.operands)
@@ -211,10 +217,7 @@ def test_gradients_tied_in_by_buckets_are_reduced_together(mesh24, bucket, most)
     # all-reduced. Tied in one by one (bucket 0), each has its own all-reduce; by buckets of a
     # weight's bytes (4,096 B) too; by a bucket that holds all three, XLA's combiner merges
     # them into one. The values are the plain step's either way.
-    keys = jax.random.split(jax.random.key(0), 4)
-    args = ([jax.random.normal(k, (32, 32)) / 6 for k in keys[:3]],
-            jax.random.normal(keys[3], (64, 32)))
-    traced = trace_for_planning(functionalize(_tanh_mlp_step, args))
+    args, traced = _traced_tanh_mlp()
     graph = traced.graph
     specs = [((),) * len(n.shape.dims) for n in graph.nodes]
     for node in graph.nodes:
