@@ -973,12 +973,13 @@ class OptimizedStep:
                 text = f"kiwi's plan (not run: the recipe runs)\n{text}"
             elif prepared.applied.program == "regathered":
                 bucket = prepared.applied.settle_bytes
-                where = (f"the gradients in the backward pass, by all-reduces of at most "
-                         f"{bucket:,} B" if bucket else "each gradient where it is made")
+                where = (f"the gradients as it goes, by buckets of at most {bucket:,} B with "
+                         f"one all-reduce each" if bucket else
+                         "each gradient where it is made, as the plan prices them")
                 text = (f"kiwi's plan, its backward pass resharding the step's arguments again "
-                        f"for each reader and reducing {where} (as the plan prices them; "
-                        f"merged with the forward pass's copies and the gradients' all-reduces "
-                        f"merged at the end, the step compiled over the budget)\n{text}")
+                        f"for each reader and reducing {where} (merged with the forward pass's "
+                        f"copies and the gradients' all-reduces merged at the end, the step "
+                        f"compiled over the budget)\n{text}")
             parts.append(text)
         text = "\n\n".join(parts)
         print(text, file=file)
