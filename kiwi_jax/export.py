@@ -66,7 +66,7 @@ from kiwi_jax.sharding import of_value, to_partition_spec
 from kiwi_jax.step import abstract_arrays, carried_state, functionalize
 
 __all__ = ["LayerPolicy", "PlanExport", "export_plan", "operation", "compile_exported",
-           "compile_applied", "with_export", "fastest_program", "leaf_paths"]
+           "compile_applied", "with_buckets", "with_export", "fastest_program", "leaf_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -309,13 +309,8 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     pass's and holds it in between) and each gradient tied into the backward pass where it is
     made (``settle``, reduced there as the plan prices it; XLA otherwise merges every
     gradient's all-reduce into a few at the end of the backward pass and holds the gradients
-    unreduced until then). Where that program fits with room to spare, it is compiled once
-    more with the gradients tied in by buckets of half that room (``settle_bytes``: each
-    bucket's all-reduces merged into one, its gradients held unreduced until then, and their
-    reduced copies beside them), and the faster of the two within the budget runs: on the
-    demo's plan (GPT, hidden 256, 2x4, 17,362,608 B) 7 all-reduces instead of 11 and an
-    estimated 0.4447 ms instead of 0.4671, at the same memory (16,773,876 B).
-    The zoo ResNet's plan at 80% of its reference on 2x4 compiled to
+    unreduced until then); with ``blocks``, where that program runs, also with the gradients
+    tied in by buckets (:func:`with_buckets`). The zoo ResNet's plan at 80% of its reference on 2x4 compiled to
     613,932 B value by value and 522,540 B so (with the arguments alone resharded again, no
     smaller than value by value). The reference
     GPT at hidden 1024, planned for 419,200,612 B on 2x4 (predicted 407,756,300 B), compiled
@@ -343,7 +338,8 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     Args:
       args: the step's arguments (abstract arrays are enough); ``abstract``: its
         functionalized form (:class:`kiwi_jax.step.PureStep`).
-      blocks: on a mesh, compile the export too (:func:`with_export`). The decorator's budget
+      blocks: on a mesh, compile the export too (:func:`with_export`), and the regathered
+        program with its gradients by buckets (:func:`with_buckets`). The decorator's budget
         search leaves it out of its trials and compiles it for the plan it settles on. In
         the trials logged on the zoo ViT on 4x2 (dim 768) and the zoo Llama on 2x4 (the
         suite's size) the export never ran (over the budget where the plan's own programs
@@ -365,15 +361,11 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
             programs.append(dataclasses.replace(
                 compile_plan(traced, build, plan, mesh, abstract, donate, overlap,
                              regather=True, settle=settle), program="regathered"))
-            headroom = budget - programs[-1].memory.peak_bytes
-            if settle and headroom > 0:
-                programs.append(dataclasses.replace(
-                    compile_plan(traced, build, plan, mesh, abstract, donate, overlap,
-                                 regather=True, settle=True, settle_bytes=headroom // 2),
-                    program="regathered", settle_bytes=headroom // 2))
         own = fastest_program(programs, budget, mesh, build.cluster)
-        return with_export(train_step, args, traced, build, plan, mesh, own, budget,
-                           donate) if blocks else own
+        if not blocks:
+            return own
+        own = with_buckets(traced, build, plan, mesh, abstract, own, budget, donate, overlap)
+        return with_export(train_step, args, traced, build, plan, mesh, own, budget, donate)
     if values.memory.peak_bytes <= budget:
         return values
     export = _block_export(traced, build, plan, mesh)
@@ -396,6 +388,28 @@ def _block_export(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh) -> 
     scanned = not any(layer.block for layer in export.layers)
     return export if any((layer.block or scanned) and layer.needs_checkpoint
                          for layer in export.layers) else None
+
+
+def with_buckets(traced: TracedStep, build: ProblemBuild, plan: Plan, mesh, abstract,
+                 compiled: CompiledPlan, budget: int, donate: bool = True,
+                 overlap: bool = True) -> CompiledPlan:
+    """``compiled``, or where it is the regathered program with each gradient tied in and
+    fits ``budget`` with room R to spare, that program with the gradients tied in by buckets
+    of R / 2 bytes (``compile_plan(..., settle_bytes=...)``: each bucket's all-reduces merged
+    into one, its gradients held unreduced until then beside their reduced copies), whichever
+    :func:`fastest_program` chooses within the budget. One compile more; the decorator's
+    budget search leaves it out of its trials. On the demo's plan (GPT, hidden 256, 2x4,
+    17,362,608 B): 7 all-reduces instead of 11 and an estimated 0.4447 ms instead of
+    0.4671, at the same memory (16,773,876 B)."""
+    headroom = budget - compiled.memory.peak_bytes
+    if compiled.program != "regathered" or compiled.settle_bytes or headroom <= 0 \
+            or (overlap and plan.hidden_under):
+        return compiled
+    bucketed = compile_plan(traced, build, plan, mesh, abstract, donate, overlap,
+                            regather=True, settle=True, settle_bytes=headroom // 2)
+    return fastest_program([compiled, dataclasses.replace(
+        bucketed, program="regathered", settle_bytes=headroom // 2)], budget, mesh,
+        build.cluster)
 
 
 def with_export(train_step, args: tuple, traced: TracedStep, build: ProblemBuild, plan: Plan,

@@ -58,7 +58,7 @@ from kiwi_jax.choose import (KIWI, Choice, RecipeRow, choose, compile_recipes,
 from kiwi_jax.cluster import Cluster, MeshSpec, parse_bytes
 from kiwi_jax.compile import CompiledPlan, Prepared
 from kiwi_jax.estimate import compiled_cost
-from kiwi_jax.export import PlanExport, compile_applied, export_plan, with_export
+from kiwi_jax.export import PlanExport, compile_applied, export_plan, with_buckets, with_export
 from kiwi_jax.fit import (FIT_COMPILES, FitRecord, FitResult, FitStop, FitTrial, NoPlanInTime,
                           fit_budget)
 from kiwi_jax.multihost import Exchange, exchange, place
@@ -496,10 +496,14 @@ class OptimizedStep:
             return applied[plan.fingerprint].memory.peak_bytes
 
         def settled(plan: Plan) -> CompiledPlan:
-            """The plan the search settles on, compiled, with its export weighed on a mesh
-            (left out of the trials: :func:`kiwi_jax.export.compile_applied`)."""
+            """The plan the search settles on, compiled, with its gradients by buckets and its
+            export weighed on a mesh (left out of the trials:
+            :func:`kiwi_jax.export.compile_applied`)."""
+            own = with_buckets(traced, build, plan, options.mesh, abstract,
+                               applied[plan.fingerprint], budget, options.donate,
+                               options.overlap)
             return with_export(self.train_step, step_arguments(abstract), traced, build, plan,
-                               options.mesh, applied[plan.fingerprint], budget, options.donate)
+                               options.mesh, own, budget, options.donate)
 
         estimates: dict[str, float] = {}               # by plan fingerprint
 
