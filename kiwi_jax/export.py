@@ -310,9 +310,9 @@ def compile_applied(train_step, args: tuple, traced: TracedStep, build: ProblemB
     made (``settle``, reduced there as the plan prices it; XLA otherwise merges every
     gradient's all-reduce into a few at the end of the backward pass and holds the gradients
     unreduced until then); with ``blocks``, where that program runs, also with the gradients
-    tied in by buckets (:func:`with_buckets`). The zoo ResNet's plan at 80% of its reference on 2x4 compiled to
-    613,932 B value by value and 522,540 B so (with the arguments alone resharded again, no
-    smaller than value by value). The reference
+    tied in by buckets (:func:`with_buckets`). The zoo ResNet's plan at 80% of its reference
+    on 2x4 compiled to 613,932 B value by value and 522,540 B so (with the arguments alone
+    resharded again, no smaller than value by value). The reference
     GPT at hidden 1024, planned for 419,200,612 B on 2x4 (predicted 407,756,300 B), compiled
     to 510,831,892 B value by value, 447,864,916 B resharding again, 527,623,700 B with the
     gradients tied in, and 412,195,156 B with both, its estimated step 3.7% slower
