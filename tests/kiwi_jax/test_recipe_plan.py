@@ -131,7 +131,9 @@ def test_the_solvers_start_is_the_fastest_recipe_that_fits_of_the_first_policy_w
     smallest = solutions["fsdp/nothing_saveable"]     # dp does not fit there: the next policy
     start = best_recipe_start(traced, build, mesh24, [Recipe.parse("dp"), Recipe.parse(
         smallest.solver.split()[-1])], smallest.peak_bytes, OPTIONS)
-    assert (start.solver, start.peak_bytes) == (smallest.solver, smallest.peak_bytes)
+    # the least memory of the recipe's fastest layouts is a time-limited solve each time: the
+    # start's may hold less than the fixture's (68,632 against 71,648 B in one scenario run)
+    assert start.solver == smallest.solver and start.peak_bytes <= smallest.peak_bytes
 
 
 def test_a_layout_outside_the_strategies_is_named(planned, mesh24):
